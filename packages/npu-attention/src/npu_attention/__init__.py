@@ -1,0 +1,25 @@
+"""Paged-KV attention for LLM inference: ``plan`` once per step, ``run`` once per layer."""
+
+from npu_attention._version import __version__
+from npu_attention.plan import AttentionPlan
+from npu_attention.providers.base import AttentionProvider
+from npu_attention.providers.registry import available_providers, get_provider, register_provider
+from npu_attention.spec import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_SIZES,
+    AttentionSpec,
+    BatchState,
+)
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_SIZES",
+    "AttentionPlan",
+    "AttentionProvider",
+    "AttentionSpec",
+    "BatchState",
+    "__version__",
+    "available_providers",
+    "get_provider",
+    "register_provider",
+]

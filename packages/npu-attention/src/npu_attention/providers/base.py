@@ -1,0 +1,64 @@
+"""The interface every kernel provider implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from npu_attention.plan import AttentionPlan
+
+
+class AttentionProvider(ABC):
+    """One family of kernels (reference PyTorch, Triton, torch_npu).
+
+    A provider is stateless across steps except for caches of its own workspace.
+    ``prepare`` runs once per step (inside ``plan``); ``write_kv`` and ``attend`` run
+    once per layer (inside ``run``) and must not do host work that ``prepare``
+    could have done, nor synchronize with the host on the decode path.
+    """
+
+    name: ClassVar[str]
+    device_types: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether the provider's dependencies import on this machine."""
+        return True
+
+    def supports_device(self, device: torch.device) -> bool:
+        return device.type in self.device_types
+
+    def prepare(self, plan: AttentionPlan) -> Any:
+        """Build provider-specific step metadata; stored as ``plan.provider_data``."""
+        return None
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> None:
+        """Scatter ``key``/``value`` ``[tokens, kv_heads, head_size]`` into the caches
+        ``[num_blocks, block_size, kv_heads, head_size]`` at ``plan.slot_mapping``;
+        slots ``< 0`` are padding and are skipped."""
+
+    @abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor | None,
+        value_cache: torch.Tensor | None,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> None:
+        """Write attention of ``query`` ``[tokens, heads, head_size]`` into ``out``
+        (same shape). Reads K/V from the caches; when the caches are ``None``
+        (encoder attention without a cache) reads ``key``/``value`` directly."""

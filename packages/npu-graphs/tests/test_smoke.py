@@ -1,0 +1,20 @@
+"""The package imports, carries a version, and exposes its public names."""
+
+import importlib.metadata
+
+import npu_graphs
+
+
+def test_version_matches_distribution() -> None:
+    assert npu_graphs.__version__ == importlib.metadata.version("npu-graphs")
+
+
+def test_public_names_present() -> None:
+    for name in npu_graphs.__all__:
+        assert hasattr(npu_graphs, name), name
+
+
+def test_does_not_import_siblings_or_vllm() -> None:
+    import sys
+
+    assert not any(m.split(".")[0] in {"npu_attention", "vllm", "torch_npu"} for m in sys.modules)
