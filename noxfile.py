@@ -64,7 +64,11 @@ def _install_package(session: nox.Session, package: Package) -> None:
 def _pytest(session: nox.Session, *paths: str, default_args: tuple[str, ...] = ()) -> None:
     args = session.posargs or [*default_args]
     session.run(
-        "pytest", *paths, "-ra", "--timeout=1200", *args,
+        "pytest",
+        *paths,
+        "-ra",
+        "--timeout=1200",
+        *args,
         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
     )
 
@@ -169,10 +173,21 @@ def build(session: nox.Session) -> None:
         python = str(venv / "bin" / "python")
         session.run(python, "-m", "pip", "install", "-q", f"torch=={TORCH_DEFAULT}", external=True)
         # Siblings come from dist/ only: the wheel must name them as dependencies.
-        session.run(python, "-m", "pip", "install", "-q", "--find-links", str(dist), str(wheel), external=True)
+        session.run(
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--find-links",
+            str(dist),
+            str(wheel),
+            external=True,
+        )
         module = package.value.replace("-", "_")
         session.run(
-            python, "-c",
+            python,
+            "-c",
             f"import importlib.metadata as m, {module}; "
             f"assert {module}.__version__ == m.version('{package.value}'); "
             f"print('{package.value}', {module}.__version__, 'installed alone')",

@@ -2,6 +2,6 @@
 through npu-attention and npu-graphs."""
 
 from npu_vllm_bridge._version import __version__
-from npu_vllm_bridge.plugin import DEVICE_ENV, platform_plugin
+from npu_vllm_bridge.plugin import DEVICE_ENV, platform_plugin, require_npu
 
-__all__ = ["DEVICE_ENV", "__version__", "platform_plugin"]
+__all__ = ["DEVICE_ENV", "__version__", "platform_plugin", "require_npu"]

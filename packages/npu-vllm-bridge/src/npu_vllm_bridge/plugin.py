@@ -42,23 +42,39 @@ def npu_unavailable_reason() -> str | None:
     return None if count > 0 else "torch_npu sees no NPU device"
 
 
+def require_npu() -> None:
+    """Raise ``RuntimeError`` saying why when no NPU is usable.
+
+    The NPU platform module calls this on import: with ``NPU_BRIDGE_DEVICE=npu``
+    the plugin names that platform unconditionally, so a missing NPU surfaces
+    as this error when vLLM loads the platform (vLLM silently skips plugins that
+    raise during detection).
+    """
+    reason = npu_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(
+            f"{DEVICE_ENV}={requested_mode()} asks for the Ascend NPU platform, but no NPU "
+            f"is usable: {reason}. Install torch_npu with CANN on an NPU host, or set "
+            f"{DEVICE_ENV}=cpu for host mode."
+        )
+
+
 def platform_plugin() -> str | None:
     """Entry point: the platform class path vLLM should use, or ``None``.
 
-    - unset / ``auto``: the NPU platform when an NPU is usable, else ``None``.
+    - unset / ``auto``: the NPU platform when an NPU is usable, else ``None``
+      (vLLM then picks its own platform as if the bridge were not installed).
     - ``cpu``: the host platform (real vLLM on CPU through the bridge).
-    - ``npu``: the NPU platform; raises ``RuntimeError`` when no NPU is usable.
+    - ``npu``: the NPU platform, unconditionally; loading it raises a
+      ``RuntimeError`` naming the cause when no NPU is usable.
     """
     mode = requested_mode()
     if mode == "cpu":
         return HOST_PLATFORM
+    if mode == "npu":
+        return NPU_PLATFORM
     reason = npu_unavailable_reason()
     if reason is None:
         return NPU_PLATFORM
-    if mode == "npu":
-        message = f"{DEVICE_ENV}=npu but no NPU is usable: {reason}"
-        # vLLM swallows exceptions raised by platform plugins; log so it is seen.
-        logger.error(message)
-        raise RuntimeError(message)
     logger.debug("npu-vllm-bridge inactive: %s", reason)
     return None
