@@ -1,0 +1,195 @@
+"""vLLM ``CommonAttentionMetadata`` -> one ``npu_attention`` plan per step."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+
+import npu_attention
+from npu_attention import AttentionPlan, AttentionSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
+
+
+@dataclass
+class BridgeAttentionMetadata:
+    """What every attention layer of one KV-cache group reads in one step.
+
+    Attributes:
+        plan: the step's ``npu_attention`` plan (host lists and device tensors).
+        num_actual_tokens: query rows in the step, graph padding included.
+        for_capture: built for graph capture (dummy batch of the largest context).
+    """
+
+    plan: AttentionPlan
+    num_actual_tokens: int
+    for_capture: bool = False
+
+
+class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
+    """Builds a :class:`BridgeAttentionMetadata` per step.
+
+    vLLM reorders each batch so that decodes (query length 1) come first, as
+    ``npu_attention.plan`` expects. Graph support: the attention op is
+    re-issued from each step's host lists before replay, so one graph serves
+    every decode batch of its size; a mixed prefill/decode step picks other
+    kernels than the decode step that was captured, so only uniform
+    single-token decode batches replay FULL graphs.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+
+    def __init__(
+        self,
+        kv_cache_spec: VllmAttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        self.spec = attention_spec_for_layers(kv_cache_spec, layer_names, vllm_config)
+        self.provider = attention_provider_name()
+        self.max_model_len = vllm_config.model_config.max_model_len
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> BridgeAttentionMetadata:
+        return self._build(common_attn_metadata, for_capture=False)
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> BridgeAttentionMetadata:
+        """Plan the dummy capture batch as if every request held the longest
+        context, so that workspaces sized at capture cover every replay."""
+        return self._build(common_attn_metadata, for_capture=True)
+
+    def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeAttentionMetadata:
+        block_tables = cm.block_table_tensor[: cm.num_reqs]
+        query_lens, seq_lens = host_query_and_seq_lens(cm)
+        fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens)
+        if for_capture:
+            longest = min(self.max_model_len, block_tables.shape[1] * self.spec.block_size)
+            seq_lens = [max(longest, q) if q else 0 for q in query_lens]
+        cu_seqlens_q = cumulative(query_lens)
+        plan = npu_attention.plan(
+            cu_seqlens_q,
+            seq_lens,
+            block_tables,
+            cm.slot_mapping[: cm.num_actual_tokens],
+            count_leading_decodes(query_lens),
+            self.spec,
+            device=self.device,
+            provider=self.provider,
+        )
+        return BridgeAttentionMetadata(plan, cm.num_actual_tokens, for_capture)
+
+
+def host_query_and_seq_lens(cm: CommonAttentionMetadata) -> tuple[list[int], list[int]]:
+    """Per-request query lengths and sequence lengths as host lists, without a
+    device sync: vLLM keeps the host copies (``seq_lens_cpu_upper_bound`` is
+    exact when speculative decoding is off, which the bridge requires)."""
+    cu = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+    query_lens = [end - start for start, end in itertools.pairwise(cu)]
+    host_seq_lens = cm.seq_lens_cpu_upper_bound
+    if host_seq_lens is None:
+        host_seq_lens = cm.seq_lens.cpu()
+    return query_lens, host_seq_lens[: cm.num_reqs].tolist()
+
+
+def fill_padding_requests(query_lens: list[int], seq_lens: list[int], num_tokens: int) -> None:
+    """Turn graph padding into decodes that write nothing, in place.
+
+    A padded FULL-graph batch ends with requests of query length 0 (block
+    table rows of the null block) and tokens past the last request (slot -1).
+    Each padding request takes one padding token and attends one key of the
+    null block, so the padded batch is a uniform decode batch of the captured
+    size; its outputs are discarded by vLLM.
+    """
+    num_real = len(query_lens)
+    while num_real and query_lens[num_real - 1] == 0:
+        num_real -= 1
+    spare_tokens = num_tokens - sum(query_lens)
+    num_padding = len(query_lens) - num_real
+    if num_padding == 0 or spare_tokens < num_padding:
+        return
+    for i in range(num_real, len(query_lens)):
+        query_lens[i] = 1
+        seq_lens[i] = 1
+
+
+def count_leading_decodes(query_lens: list[int]) -> int:
+    """Requests of query length 1 at the head of the batch (vLLM puts decodes first)."""
+    count = 0
+    for query_len in query_lens:
+        if query_len != 1:
+            break
+        count += 1
+    return count
+
+
+def cumulative(lengths: list[int]) -> list[int]:
+    out = [0]
+    for length in lengths:
+        out.append(out[-1] + length)
+    return out
+
+
+def attention_spec_for_layers(
+    kv_cache_spec: VllmAttentionSpec, layer_names: list[str], vllm_config: VllmConfig
+) -> AttentionSpec:
+    """The ``npu_attention.AttentionSpec`` shared by the layers of one KV-cache group.
+
+    Raises:
+        ValueError: the layers disagree on heads, scale, window or soft cap (one
+            plan serves the whole group).
+    """
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    if not layers:
+        raise ValueError(f"no attention layers named {layer_names} in the model")
+    shapes = {_layer_attention_shape(layer.impl) for layer in layers.values()}
+    if len(shapes) != 1:
+        raise ValueError(
+            "npu-vllm-bridge plans attention once per KV-cache group, but the layers "
+            f"{sorted(layers)} differ in (num_heads, scale, sliding_window, soft_cap): "
+            f"{sorted(shapes, key=str)}"
+        )
+    num_heads, scale, sliding_window, soft_cap = shapes.pop()
+    return AttentionSpec(
+        num_heads=num_heads,
+        num_kv_heads=kv_cache_spec.num_kv_heads,
+        head_size=kv_cache_spec.head_size,
+        block_size=kv_cache_spec.block_size,
+        dtype=kv_cache_spec.dtype,
+        causal=True,
+        sliding_window=sliding_window,
+        logits_soft_cap=soft_cap,
+        scale=scale,
+    )
+
+
+def _layer_attention_shape(impl: Any) -> tuple[int, float, int | None, float | None]:
+    return (impl.num_heads, impl.scale, impl.sliding_window, impl.logits_soft_cap)
+
+
+def attention_provider_name() -> str | None:
+    """The npu-attention provider the current platform asks for (``None``: by device)."""
+    from vllm.platforms import current_platform
+
+    return getattr(current_platform, "attention_provider", None)

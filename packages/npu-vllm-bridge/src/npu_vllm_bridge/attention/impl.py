@@ -1,0 +1,102 @@
+"""vLLM ``AttentionImpl``: one layer's attention through ``npu_attention.run``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
+
+from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
+from npu_vllm_bridge.attention.kv_cache import split_kv_cache
+from npu_vllm_bridge.graphs.tasks import run_attention
+
+
+class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
+    """Writes the step's K/V into the paged cache and attends, for one layer.
+
+    Options the kernels do not have (ALiBi, attention sinks, quantized KV
+    caches, encoder attention) are refused here, when vLLM builds the layer.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra_impl_args: Any,
+    ) -> None:
+        refuse_unsupported_layer(alibi_slopes, kv_cache_dtype, attn_type, extra_impl_args)
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap or None
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: BridgeAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of one layer.
+
+        Args:
+            query: ``[num_tokens, num_heads, head_size]``.
+            key, value: ``[num_tokens, num_kv_heads, head_size]``; ``None`` for a
+                layer that shares another layer's cache (nothing is written).
+            kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``.
+            attn_metadata: the step's metadata; ``None`` in vLLM's profiling run.
+            output: ``[num_tokens, num_heads, head_size]``, written in place.
+        """
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("npu-vllm-bridge does not fuse output quantization")
+        if attn_metadata is None:
+            return output
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        if self.kv_sharing_target_layer_name is not None:
+            key = value = None
+        run_attention(query, key, value, key_cache, value_cache, attn_metadata.plan, output)
+        return output
+
+
+def refuse_unsupported_layer(
+    alibi_slopes: list[float] | None,
+    kv_cache_dtype: str,
+    attn_type: str,
+    extra_impl_args: dict[str, Any],
+) -> None:
+    """Raise ``ValueError`` naming the first layer option the bridge cannot run."""
+    if alibi_slopes is not None:
+        raise ValueError("npu-vllm-bridge does not support ALiBi attention (alibi_slopes)")
+    if kv_cache_dtype != "auto":
+        raise ValueError(
+            f"npu-vllm-bridge keeps the KV cache in the model dtype; kv_cache_dtype="
+            f"{kv_cache_dtype!r} is not supported (use kv_cache_dtype='auto')"
+        )
+    if attn_type != AttentionType.DECODER:
+        raise ValueError(
+            f"npu-vllm-bridge supports decoder self-attention only, got attn_type={attn_type!r}"
+        )
+    if extra_impl_args.get("sinks") is not None:
+        raise ValueError("npu-vllm-bridge does not support attention sinks")
+    unknown = sorted(k for k, v in extra_impl_args.items() if k != "sinks" and v is not None)
+    if unknown:
+        raise ValueError(f"npu-vllm-bridge does not support the attention options {unknown}")

@@ -1,0 +1,1 @@
+"""vLLM platforms: ``npu`` (Ascend, torch_npu) and ``host`` (CPU, for development and CI)."""

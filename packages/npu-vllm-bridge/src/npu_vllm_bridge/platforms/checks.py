@@ -1,0 +1,131 @@
+"""Start-up checks shared by both platforms: refuse what the bridge cannot run.
+
+Every check raises ``ValueError`` naming the model property or option and what
+to change, from ``check_and_update_config`` (i.e. while vLLM builds its config),
+before weights load or memory is reserved.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import npu_attention
+
+# The platform module is imported while vLLM resolves ``current_platform``, so
+# nothing here may import vLLM modules that need it at import time: the
+# attention backend is imported inside the functions.
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+PREFIX = "npu-vllm-bridge"
+
+
+def check_model_and_options(vllm_config: VllmConfig) -> None:
+    """Refuse models and options the bridge's attention cannot serve."""
+    model_config = vllm_config.model_config
+    if model_config is not None:
+        _check_model(model_config)
+    _check_cache(vllm_config)
+    _check_parallel_and_speculative(vllm_config)
+
+
+def _check_model(model_config) -> None:
+    name = model_config.model
+    if model_config.use_mla:
+        raise ValueError(
+            f"{PREFIX} does not support MLA (multi-head latent attention) models; {name} uses MLA"
+        )
+    if model_config.runner_type != "generate":
+        raise ValueError(
+            f"{PREFIX} runs generative decoder models only; {name} is a "
+            f"{model_config.runner_type!r} model"
+        )
+    if model_config.is_encoder_decoder:
+        raise ValueError(f"{PREFIX} does not support encoder-decoder models such as {name}")
+    head_size = model_config.get_head_size()
+    if head_size not in npu_attention.SUPPORTED_HEAD_SIZES:
+        raise ValueError(
+            f"{PREFIX} does not support head size {head_size} (model {name}); supported "
+            f"head sizes: {list(npu_attention.SUPPORTED_HEAD_SIZES)}"
+        )
+    if model_config.dtype not in npu_attention.SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{PREFIX} does not support dtype {model_config.dtype}; use one of "
+            f"{[str(d) for d in npu_attention.SUPPORTED_DTYPES]}"
+        )
+
+
+def _check_cache(vllm_config: VllmConfig) -> None:
+    cache_config = vllm_config.cache_config
+    if cache_config.cache_dtype != "auto":
+        raise ValueError(
+            f"{PREFIX} keeps the KV cache in the model dtype; kv_cache_dtype="
+            f"{cache_config.cache_dtype!r} (e.g. an fp8 KV cache) is not supported: "
+            "leave kv_cache_dtype='auto'"
+        )
+    block_size = cache_config.block_size
+    if cache_config.user_specified_block_size and not any(
+        block_size % size == 0 for size in KERNEL_BLOCK_SIZES
+    ):
+        raise ValueError(
+            f"{PREFIX} needs a KV-cache block_size that is a multiple of 16, got "
+            f"block_size={block_size}"
+        )
+
+
+def _check_parallel_and_speculative(vllm_config: VllmConfig) -> None:
+    parallel = vllm_config.parallel_config
+    for option in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, option, 1) > 1:
+            raise ValueError(f"{PREFIX} does not support context parallelism ({option} > 1)")
+    if vllm_config.speculative_config is not None:
+        raise ValueError(
+            f"{PREFIX} does not support speculative decoding yet; remove speculative_config"
+        )
+    if vllm_config.kv_transfer_config is not None:
+        raise ValueError(f"{PREFIX} does not support KV transfer connectors (kv_transfer_config)")
+
+
+def backend_for_selector(selector: AttentionSelectorConfig) -> str:
+    """The bridge's backend class path, or ``ValueError`` saying why it cannot serve
+    a layer vLLM asks for (MLA, sparse attention, sinks, a head size, ...)."""
+    from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend, register
+
+    backend = NPUBridgeAttentionBackend
+    if selector.use_mla:
+        raise ValueError(f"{PREFIX} does not support MLA (multi-head latent attention) layers")
+    if selector.use_sparse:
+        raise ValueError(f"{PREFIX} does not support sparse attention layers")
+    reasons = backend.validate_configuration(
+        head_size=selector.head_size,
+        dtype=selector.dtype,
+        kv_cache_dtype=selector.kv_cache_dtype,
+        block_size=selector.block_size,
+        use_mla=selector.use_mla,
+        has_sink=selector.has_sink,
+        use_sparse=selector.use_sparse,
+        use_mm_prefix=selector.use_mm_prefix,
+        use_per_head_quant_scales=selector.use_per_head_quant_scales,
+        device_capability=None,
+        attn_type=selector.attn_type,
+        has_sliding_window=selector.has_sliding_window,
+        use_non_causal=selector.use_non_causal,
+        use_batch_invariant=selector.use_batch_invariant,
+        use_kv_connector=selector.use_kv_connector,
+        use_pcp=selector.use_pcp,
+        use_adaptive_verification=selector.use_adaptive_verification,
+        use_dcp=selector.use_dcp,
+        use_rswa=selector.use_rswa,
+    )
+    if reasons:
+        raise ValueError(
+            f"{PREFIX} attention cannot serve this layer (head_size={selector.head_size}, "
+            f"dtype={selector.dtype}, kv_cache_dtype={selector.kv_cache_dtype}, "
+            f"block_size={selector.block_size}, attn_type={selector.attn_type}): "
+            + "; ".join(reasons)
+        )
+    register()
+    return f"{backend.__module__}.{backend.__qualname__}"
