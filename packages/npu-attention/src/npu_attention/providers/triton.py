@@ -1,0 +1,242 @@
+"""The ``triton`` provider: paged attention and KV-cache writes as Triton kernels.
+
+``prepare`` (once per step) picks the kernel family for the batch state and, for
+decode batches, the number of KV splits; ``write_kv`` and ``attend`` (once per
+layer) only launch kernels. Every step argument is read on the device from the
+plan's tensors and grids depend only on tensor shapes, so both are safe to capture
+in a device graph: replays see whatever the plan's fixed buffers hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from npu_attention.providers.base import AttentionProvider
+from npu_attention.spec import AttentionSpec, BatchState
+
+if TYPE_CHECKING:
+    from npu_attention.plan import AttentionPlan
+    from npu_attention.providers.triton_kernels import AttentionLaunchConfig
+
+_DECODE_STATES = (BatchState.DECODE_ONLY, BatchState.SPEC_DECODING)
+_MAX_KV_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TritonStepData:
+    """What ``prepare`` decides once per step (``plan.provider_data``).
+
+    ``decode_tiles``: one program per request and KV head (every request has at
+    most ``1 + num_speculative_tokens`` query tokens); ``num_kv_splits``: programs
+    along each decode request's keys (1 = no split).
+    """
+
+    decode_tiles: bool
+    num_kv_splits: int
+
+
+class TritonProvider(AttentionProvider):
+    """Triton kernels for CUDA GPUs (and the CPU under ``TRITON_INTERPRET=1``).
+
+    Attributes (tunable per instance):
+        min_tokens_per_split: a decode request's keys are split only into shares
+            of at least this many tokens.
+        target_waves: decode launches aim for this many programs per multiprocessor.
+    """
+
+    name: ClassVar[str] = "triton"
+    device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+
+    def __init__(self) -> None:
+        self.min_tokens_per_split = 512
+        self.target_waves = 2
+        self.decode_launch: dict[str, int] = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+        self.prefill_launch: dict[str, int] = {"block_n": 64, "num_warps": 8, "num_stages": 3}
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            import triton  # noqa: F401
+        except Exception:
+            return False
+        return True
+
+    def supports_device(self, device: torch.device) -> bool:
+        if device.type == "cpu":
+            return os.environ.get("TRITON_INTERPRET") == "1"
+        return device.type in self.device_types
+
+    def prepare(self, plan: AttentionPlan) -> TritonStepData:
+        decode_tiles = plan.state in _DECODE_STATES
+        num_kv_splits = 1
+        if decode_tiles:
+            num_kv_splits = self._num_kv_splits(
+                plan.num_reqs, plan.spec.num_kv_heads, plan.max_seq_len, plan.device
+            )
+        return TritonStepData(decode_tiles=decode_tiles, num_kv_splits=num_kv_splits)
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> None:
+        from npu_attention.providers.triton_kernels import write_kv_cache
+
+        spec = plan.spec
+        for label, tensor in (("key", key), ("value", value)):
+            _check_tokens(label, tensor, spec.num_kv_heads, spec.head_size, spec.dtype)
+        if key.shape[0] != value.shape[0]:
+            raise ValueError(
+                f"key and value must have the same number of tokens, got "
+                f"{key.shape[0]} and {value.shape[0]}"
+            )
+        _check_caches(key_cache, value_cache, spec, key.device)
+        write_kv_cache(key, value, key_cache, value_cache, plan.slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor | None,
+        value_cache: torch.Tensor | None,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> None:
+        from npu_attention.providers.triton_kernels import paged_attention
+
+        spec = plan.spec
+        _check_tokens("query", query, spec.num_heads, spec.head_size, spec.dtype)
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise ValueError(
+                f"out must match query ({tuple(query.shape)}, {query.dtype}), got "
+                f"({tuple(out.shape)}, {out.dtype})"
+            )
+        step = plan.provider_data
+        if not isinstance(step, TritonStepData):
+            step = self.prepare(plan)
+        paged = key_cache is not None or value_cache is not None
+        if paged:
+            _check_caches(key_cache, value_cache, spec, query.device)
+            k, v, block_tables = key_cache, value_cache, plan.block_tables
+        else:
+            if key is None or value is None:
+                raise ValueError("attend needs key_cache/value_cache or key/value, got neither")
+            for label, tensor in (("key", key), ("value", value)):
+                _check_tokens(label, tensor, spec.num_kv_heads, spec.head_size, spec.dtype)
+            k, v, block_tables = key, value, None
+        decode_tiles = step.decode_tiles and paged
+        paged_attention(
+            query,
+            k,
+            v,
+            out,
+            plan.cu_seqlens_q,
+            plan.seq_lens,
+            block_tables,
+            config=self._launch_config(spec, decode_tiles, step.num_kv_splits),
+            decode_tiles=decode_tiles,
+            scale=spec.softmax_scale,
+            causal=spec.causal,
+            sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.logits_soft_cap,
+            paged=paged,
+        )
+
+    def _launch_config(
+        self, spec: AttentionSpec, decode_tiles: bool, num_kv_splits: int
+    ) -> AttentionLaunchConfig:
+        return _launch_config(
+            spec,
+            decode_tiles,
+            num_kv_splits,
+            tuple(sorted((self.decode_launch if decode_tiles else self.prefill_launch).items())),
+        )
+
+    def _num_kv_splits(
+        self, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+    ) -> int:
+        programs = max(1, num_reqs * num_kv_heads)
+        by_occupancy = -(-self.target_waves * _multiprocessor_count(device) // programs)
+        by_length = -(-max_seq_len // self.min_tokens_per_split)
+        return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_config(
+    spec: AttentionSpec,
+    decode_tiles: bool,
+    num_kv_splits: int,
+    launch: tuple[tuple[str, int], ...],
+) -> AttentionLaunchConfig:
+    from npu_attention.providers.triton_kernels import AttentionLaunchConfig
+
+    params = dict(launch)
+    queries_per_kv = spec.num_queries_per_kv
+    block_n = params["block_n"] if spec.head_size <= 128 else min(params["block_n"], 32)
+    if decode_tiles:
+        rows = queries_per_kv * (1 + spec.num_speculative_tokens)
+        block_m = max(16, 1 << (rows - 1).bit_length())
+    else:
+        block_m = 128 if spec.head_size <= 128 else 64
+        block_m = max(block_m, 1 << (queries_per_kv - 1).bit_length())
+    num_warps = params["num_warps"] if decode_tiles or block_m >= 128 else 4
+    return AttentionLaunchConfig(
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=params["num_stages"],
+        num_splits=num_kv_splits if decode_tiles else 1,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
+
+
+def _check_tokens(
+    label: str, tensor: torch.Tensor, heads: int, head_size: int, dtype: torch.dtype
+) -> None:
+    if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (heads, head_size):
+        raise ValueError(
+            f"{label} must be [tokens, {heads}, {head_size}], got {tuple(tensor.shape)}"
+        )
+    if tensor.dtype != dtype:
+        raise TypeError(f"{label} must be {dtype}, got {tensor.dtype}")
+
+
+def _check_caches(
+    key_cache: torch.Tensor | None,
+    value_cache: torch.Tensor | None,
+    spec: AttentionSpec,
+    device: torch.device,
+) -> None:
+    expected = (spec.block_size, spec.num_kv_heads, spec.head_size)
+    for label, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache is None:
+            raise ValueError(f"{label} is None while the other cache is given")
+        if cache.dim() != 4 or tuple(cache.shape[1:]) != expected:
+            raise ValueError(
+                f"{label} must be [num_blocks, {', '.join(map(str, expected))}], "
+                f"got {tuple(cache.shape)}"
+            )
+        if cache.dtype != spec.dtype:
+            raise TypeError(f"{label} must be {spec.dtype}, got {cache.dtype}")
+        if cache.device != device:
+            raise ValueError(f"{label} must be on {device}, got {cache.device}")
+    if key_cache.shape[0] != value_cache.shape[0]:
+        raise ValueError(
+            f"key_cache and value_cache must have the same number of blocks, got "
+            f"{key_cache.shape[0]} and {value_cache.shape[0]}"
+        )

@@ -1,0 +1,445 @@
+"""Varlen attention over a paged KV cache, with optional split-KV (flash-decoding).
+
+One kernel serves every batch state. A program owns one tile of query rows of one
+request and one KV head: the rows are ``BLOCK_Q`` query tokens times the
+``num_heads // num_kv_heads`` query heads that share the KV head (GQA packing), so
+each K/V tile is loaded once for all of them. Query token ``t`` of a request with
+``context_len = seq_len - query_len`` sits at key position ``context_len + t``.
+
+- Varlen tiles (prefill, chunked prefill, prefix hits, mixed batches): the grid has
+  ``tokens // BLOCK_Q + num_reqs`` tile slots, an upper bound on the tiles of any
+  batch of that many tokens; each program finds its request by binary search over
+  ``cu_seqlens_q`` (request ``r`` owns slots from ``cu_seqlens_q[r] // BLOCK_Q + r``)
+  and exits when the slot is past the request's last tile.
+- Decode tiles (decode, spec decode): one program per request and KV head, and
+  ``num_splits`` programs along the key axis; each split covers an equal share of
+  the request's keys (read from ``seq_lens`` on the device) and writes a partial
+  output and its log-sum-exp, which a second kernel merges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from npu_attention.providers.triton_kernels.utils import next_power_of_2
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionLaunchConfig:
+    """Tile shape and launch parameters of one attention launch.
+
+    ``block_m`` query rows (tokens x packed heads) per program, ``block_n`` keys
+    per loop step; ``num_splits > 1`` splits each decode request's keys over that
+    many programs (decode tiles only).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1
+
+
+@triton.jit
+def _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q: tl.constexpr):
+    """Largest request ``r`` with ``cu_seqlens_q[r] // BLOCK_Q + r <= tile_slot``."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(start <= tile_slot, mid, lo)
+        hi = tl.where(start <= tile_slot, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _softcap(scores, soft_cap):
+    """``soft_cap * tanh(scores / soft_cap)``, with tanh written through sigmoid."""
+    return soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
+
+
+@triton.jit
+def _attend_keys(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptr,
+    v_ptr,
+    block_table_row,
+    kv_token_base,
+    key_positions_start,
+    key_positions_end,
+    valid_end,
+    query_pos,
+    stride_kb,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    qk_scale,
+    soft_cap,
+    window,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update over keys ``[key_positions_start, key_positions_end)``.
+
+    With ``MASKED`` false every key of the range is known to be visible to every
+    row; otherwise keys ``>= valid_end`` and the causal / window masks apply.
+    """
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < HEAD_SIZE
+    for start_n in range(key_positions_start, key_positions_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if MASKED:  # noqa: SIM108 (a constexpr branch, not a value choice)
+            n_mask = offs_n < valid_end
+        else:
+            n_mask = offs_n >= 0
+        if PAGED:
+            blocks = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+            blocks = blocks.to(tl.int64)
+            k_rows = blocks * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
+            v_rows = blocks * stride_vb + (offs_n % BLOCK_SIZE) * stride_vt
+        else:
+            tokens = (kv_token_base + offs_n).to(tl.int64)
+            k_rows = tokens * stride_kt
+            v_rows = tokens * stride_vt
+        k = tl.load(
+            k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd,
+            mask=n_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        )
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if USE_SOFT_CAP:
+            scores = _softcap(scores * qk_scale, soft_cap) * 1.4426950408889634
+        else:
+            scores = scores * qk_scale
+        if MASKED:
+            visible = n_mask[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= query_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd,
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_reqs,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt,
+    qk_scale,
+    soft_cap,
+    window,
+    NUM_HEADS: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DECODE_TILES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    if DECODE_TILES:
+        req = tl.program_id(0)
+        q_tile = 0
+    else:
+        tile_slot = tl.program_id(0)
+        req = _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q)
+        q_tile = tile_slot - (tl.load(cu_seqlens_q_ptr + req) // BLOCK_Q + req)
+    q_start = tl.load(cu_seqlens_q_ptr + req)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    token_in_req = q_tile * BLOCK_Q + offs_m // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    row_mask = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (token_in_req < q_len)
+    token = (q_start + token_in_req).to(tl.int64)
+    query_pos = context_len + token_in_req
+    q = tl.load(
+        q_ptr
+        + token[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=row_mask[:, None] & (offs_d < HEAD_SIZE)[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile can see: [kv_lo, kv_hi); all of [kv_lo, full_hi) is visible to every row.
+    last_row_pos = context_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
+    first_row_pos = context_len + q_tile * BLOCK_Q
+    kv_hi = seq_len
+    full_hi = seq_len
+    if CAUSAL:
+        kv_hi = tl.minimum(seq_len, last_row_pos + 1)
+        full_hi = tl.minimum(seq_len, first_row_pos + 1)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(0, first_row_pos - window + 1)
+        full_hi = kv_lo  # every tile is masked
+    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * per_split
+        kv_hi = tl.minimum(kv_hi, kv_lo + per_split)
+        full_hi = tl.minimum(full_hi, kv_hi)
+    full_hi = tl.maximum(kv_lo, kv_lo + ((full_hi - kv_lo) // BLOCK_N) * BLOCK_N)
+
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
+        query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        qk_scale, soft_cap, window,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, False,
+        CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
+        query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        qk_scale, soft_cap, window,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, True,
+        CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
+    )  # fmt: skip
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_mask = row_mask[:, None] & (offs_d < HEAD_SIZE)[None, :]
+    if SPLIT:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        row = (token * NUM_HEADS + head) * num_splits + split
+        tl.store(partial_lse_ptr + row, lse, mask=row_mask)
+        tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], out, mask=out_mask)
+    else:
+        dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(dst + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    cu_seqlens_q_ptr,
+    num_reqs,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(cu_seqlens_q_ptr + num_reqs):  # padding token
+        return
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_mask = offs_s < num_splits
+    row = (token.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
+    lse = tl.load(partial_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    denominator = tl.sum(weights, 0)
+    partial = tl.load(
+        partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d < HEAD_SIZE)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(partial * weights[:, None], 0) / tl.where(denominator > 0.0, denominator, 1.0)
+    dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor | None,
+    *,
+    config: AttentionLaunchConfig,
+    decode_tiles: bool,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    paged: bool = True,
+) -> None:
+    """Attention of ``query`` ``[tokens, heads, head_size]`` into ``out`` (same shape).
+
+    Args:
+        key_cache, value_cache: paged: ``[num_blocks, block_size, kv_heads, head_size]``
+            (any strides); not paged: ``[tokens, kv_heads, head_size]``, request
+            ``r``'s keys at rows ``cu_seqlens_q[r]:cu_seqlens_q[r + 1]``.
+        cu_seqlens_q: int32 ``[num_reqs + 1]`` on the device.
+        seq_lens: int32 ``[num_reqs]``, context + new tokens of each request.
+        block_tables: int32 ``[num_reqs, max_blocks]`` (paged only).
+        config: tile shape; ``config.num_splits > 1`` needs ``decode_tiles``.
+        decode_tiles: every request has at most ``config.block_m // (heads //
+            kv_heads)`` query tokens; one program per request and KV head.
+
+    Rows of ``out`` past ``cu_seqlens_q[-1]`` are left untouched.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    num_kv_heads = key_cache.shape[-2]
+    queries_per_kv = num_heads // num_kv_heads
+    head_pad = max(16, next_power_of_2(head_size))
+    block_q = config.block_m // queries_per_kv
+    num_splits = config.num_splits if decode_tiles else 1
+    if paged:
+        block_size = key_cache.shape[1]
+        k_strides, v_strides = key_cache.stride(), value_cache.stride()
+        stride_bt = block_tables.stride(0)
+    else:
+        block_size = 1
+        k_strides = (0, *key_cache.stride())
+        v_strides = (0, *value_cache.stride())
+        block_tables, stride_bt = seq_lens, 0
+    if decode_tiles:
+        grid = (num_reqs, num_kv_heads, num_splits)
+    else:
+        grid = (num_tokens // block_q + num_reqs, num_kv_heads, 1)
+    split = num_splits > 1
+    if split:
+        partial_out = torch.empty(
+            (num_tokens * num_heads * num_splits, head_pad),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        partial_lse = torch.empty(
+            num_tokens * num_heads * num_splits, dtype=torch.float32, device=query.device
+        )
+    else:
+        partial_out = partial_lse = out
+    use_soft_cap = logits_soft_cap is not None
+    qk_scale = scale if use_soft_cap else scale * _LOG2E
+    _paged_attention_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        partial_out,
+        partial_lse,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        num_reqs,
+        *query.stride(),
+        *k_strides,
+        *v_strides,
+        *out.stride(),
+        stride_bt,
+        qk_scale,
+        float(logits_soft_cap or 1.0),
+        int(sliding_window or 0),
+        NUM_HEADS=num_heads,
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=config.block_n,
+        DECODE_TILES=decode_tiles,
+        SPLIT=split,
+        PAGED=paged,
+        CAUSAL=causal,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=use_soft_cap,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial_out,
+            partial_lse,
+            cu_seqlens_q,
+            num_reqs,
+            num_splits,
+            *out.stride(),
+            NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            SPLITS_PAD=next_power_of_2(num_splits),
+            num_warps=4,
+        )

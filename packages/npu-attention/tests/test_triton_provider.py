@@ -1,0 +1,423 @@
+"""The ``triton`` provider against naive dense attention in float32.
+
+Unmarked cases are small and run on the CPU through Triton's interpreter when no
+GPU is present (``TRITON_INTERPRET=1`` is set before the kernels are imported);
+cases marked ``cuda`` cover the full feature matrix on a GPU.
+
+Tolerances (absolute and relative, outputs are O(1)): float32 1e-4, float16 4e-3,
+bfloat16 3e-2 (inputs are rounded to the dtype before the reference sees them, so
+the tolerance covers only the kernel's own rounding of P and of the output).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in [m for m in sys.modules if m.startswith("npu_attention.providers.triton_kernels")]:
+        importlib.reload(sys.modules[name])
+pytest.importorskip("triton")
+
+from npu_attention.plan import AttentionPlan  # noqa: E402
+from npu_attention.providers.triton import TritonProvider, TritonStepData  # noqa: E402
+from npu_attention.spec import AttentionSpec, BatchState  # noqa: E402
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+# ---------------------------------------------------------------- batch building
+
+
+class Batch:
+    """A random batch: caches holding each request's context, new tokens' q/k/v,
+    block tables over permuted pages (block 0 reserved, never used), and the plan."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        query_lens: list[int],
+        context_lens: list[int],
+        *,
+        num_decodes: int = 0,
+        pad_tokens: int = 0,
+        packed_kv: bool = False,
+        extra_blocks: int = 3,
+        device: torch.device = DEVICE,
+        seed: int = 0,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.spec, self.device = spec, device
+        self.query_lens, self.context_lens = query_lens, context_lens
+        self.seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+        bs, kvh, d = spec.block_size, spec.num_kv_heads, spec.head_size
+        blocks_per_req = [math.ceil(s / bs) for s in self.seq_lens]
+        num_blocks = 1 + sum(blocks_per_req) + extra_blocks
+        pages = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        max_blocks = max(blocks_per_req) + 1
+        self.block_tables = torch.zeros(len(query_lens), max_blocks, dtype=torch.int32)
+        for r, n in enumerate(blocks_per_req):
+            self.block_tables[r, :n] = torch.tensor([pages.pop() for _ in range(n)])
+
+        # Full dense K/V of every request (context then new tokens), in the dtype.
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(spec.dtype)
+
+        self.keys = [rand(s, kvh, d) for s in self.seq_lens]
+        self.values = [rand(s, kvh, d) for s in self.seq_lens]
+        num_tokens = sum(query_lens) + pad_tokens
+        self.query = rand(num_tokens, spec.num_heads, d).to(device)
+        self.key = torch.cat(
+            [k[c:] for k, c in zip(self.keys, context_lens)] + [rand(pad_tokens, kvh, d)]
+        )
+        self.value = torch.cat(
+            [v[c:] for v, c in zip(self.values, context_lens)] + [rand(pad_tokens, kvh, d)]
+        )
+        self.key, self.value = self.key.to(device), self.value.to(device)
+
+        shape = (num_blocks, bs, kvh, d)
+        if packed_kv:  # vLLM packs K and V in one tensor: [blocks, kv_heads, block, 2 * d]
+            kv = torch.full((num_blocks, kvh, bs, 2 * d), float("nan"), dtype=spec.dtype)
+            kv = kv.to(device).transpose(1, 2)
+            self.key_cache, self.value_cache = kv[..., :d], kv[..., d:]
+        else:
+            self.key_cache = torch.full(shape, float("nan"), dtype=spec.dtype, device=device)
+            self.value_cache = torch.full(shape, float("nan"), dtype=spec.dtype, device=device)
+
+        slots = []
+        for r, (c, s) in enumerate(zip(context_lens, self.seq_lens)):
+            for pos in range(s):
+                slot = int(self.block_tables[r, pos // bs]) * bs + pos % bs
+                if pos < c:  # context is already cached
+                    self._put(slot, self.keys[r][pos], self.values[r][pos])
+                else:
+                    slots.append(slot)
+        self.slot_mapping = torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64)
+        self.plan = self._plan(num_decodes)
+
+    def _put(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        bs = self.spec.block_size
+        self.key_cache[slot // bs, slot % bs] = k.to(self.device)
+        self.value_cache[slot // bs, slot % bs] = v.to(self.device)
+
+    def _plan(self, num_decodes: int) -> AttentionPlan:
+        q, c = self.query_lens, self.context_lens
+        decode_len = 1 + self.spec.num_speculative_tokens
+        if num_decodes == len(q):
+            state = BatchState.DECODE_ONLY if decode_len == 1 else BatchState.SPEC_DECODING
+        elif num_decodes:
+            state = BatchState.CHUNKED_PREFILL
+        else:
+            state = BatchState.PREFILL_CACHE_HIT if any(c) else BatchState.PREFILL_NO_CACHE
+        cu = [0]
+        for n in q:
+            cu.append(cu[-1] + n)
+
+        def dev(values: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=dtype).to(self.device)
+
+        provider = TritonProvider()
+        plan = AttentionPlan(
+            spec=self.spec,
+            state=state,
+            provider=provider,
+            device=self.device,
+            num_reqs=len(q),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes * decode_len,
+            num_actual_tokens=cu[-1],
+            max_query_len=max(q),
+            max_seq_len=max(self.seq_lens),
+            cu_seqlens_q_host=cu,
+            query_lens_host=list(q),
+            seq_lens_host=list(self.seq_lens),
+            cu_seqlens_q=dev(cu, torch.int32),
+            seq_lens=dev(self.seq_lens, torch.int32),
+            context_lens=dev(c, torch.int32),
+            block_tables=self.block_tables.to(self.device),
+            slot_mapping=self.slot_mapping.to(self.device),
+        )
+        plan.provider_data = provider.prepare(plan)
+        return plan
+
+    def reference(self) -> torch.Tensor:
+        """Dense float32 attention of the real (unpadded) query rows."""
+        spec, outs, start = self.spec, [], 0
+        group = spec.num_queries_per_kv
+        for r, (n, c, s) in enumerate(zip(self.query_lens, self.context_lens, self.seq_lens)):
+            q = self.query[start : start + n].float().cpu()
+            k = self.keys[r].float().repeat_interleave(group, dim=1)
+            v = self.values[r].float().repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q, k) * spec.softmax_scale
+            if spec.logits_soft_cap is not None:
+                scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
+            pos = torch.arange(c, c + n)[:, None]
+            key_pos = torch.arange(s)[None, :]
+            visible = torch.ones(n, s, dtype=torch.bool)
+            if spec.causal:
+                visible &= key_pos <= pos
+            if spec.sliding_window is not None:
+                visible &= key_pos > pos - spec.sliding_window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+            start += n
+        return torch.cat(outs)
+
+    def run(self, provider: TritonProvider | None = None) -> torch.Tensor:
+        provider = provider or self.plan.provider
+        provider.write_kv(self.key, self.value, self.key_cache, self.value_cache, self.plan)
+        out = torch.full_like(self.query, float("nan"))
+        provider.attend(self.query, self.key_cache, self.value_cache, self.plan, out)
+        return out
+
+
+def assert_matches_reference(batch: Batch, out: torch.Tensor) -> None:
+    tol = TOLERANCE[batch.spec.dtype]
+    real = batch.plan.num_actual_tokens
+    torch.testing.assert_close(out[:real].float().cpu(), batch.reference(), atol=tol, rtol=tol)
+    assert out[real:].isnan().all(), "rows past the real tokens must be left untouched"
+
+
+def small_spec(**overrides: object) -> AttentionSpec:
+    fields = {"num_heads": 4, "num_kv_heads": 2, "head_size": 64, "block_size": 16}
+    fields.update(overrides)
+    fields.setdefault("dtype", torch.float32 if not HAS_CUDA else torch.float16)
+    return AttentionSpec(**fields)
+
+
+# ---------------------------------------------------------------- small cases (CPU interpreter)
+
+SMALL_CASES = {
+    "prefill_no_cache": ({}, [5, 17, 1], [0, 0, 0], 0),
+    "prefill_cache_hit": ({}, [3, 20], [29, 16], 0),
+    "decode_only": ({}, [1, 1, 1], [40, 3, 17], 3),
+    "spec_decoding": ({"num_speculative_tokens": 2}, [3, 3], [21, 6], 2),
+    "chunked_prefill": ({}, [1, 1, 9, 4], [33, 5, 0, 12], 2),
+    "sliding_window": ({"sliding_window": 7}, [1, 12], [30, 9], 1),
+    "soft_cap": ({"logits_soft_cap": 1.5}, [6, 1], [10, 0], 0),
+    "non_causal": ({"causal": False}, [7, 4], [0, 5], 0),
+    "head_80_mqa": ({"head_size": 80, "num_heads": 3, "num_kv_heads": 1}, [4, 1], [14, 20], 0),
+}
+
+
+@pytest.mark.parametrize("case", list(SMALL_CASES))
+def test_small_case_matches_dense_reference(case: str) -> None:
+    overrides, query_lens, context_lens, num_decodes = SMALL_CASES[case]
+    spec = small_spec(**overrides)
+    batch = Batch(spec, query_lens, context_lens, num_decodes=num_decodes, pad_tokens=2)
+    assert_matches_reference(batch, batch.run())
+
+
+def test_decode_with_kv_splits_matches_dense_reference() -> None:
+    provider = TritonProvider()
+    provider.min_tokens_per_split = 16
+    provider.target_waves = 64
+    batch = Batch(small_spec(), [1, 1], [70, 9], num_decodes=2, pad_tokens=1)
+    batch.plan.provider_data = provider.prepare(batch.plan)
+    assert batch.plan.provider_data.num_kv_splits > 1
+    assert_matches_reference(batch, batch.run(provider))
+
+
+def test_packed_kv_cache_views_match_dense_reference() -> None:
+    batch = Batch(small_spec(), [1, 6], [19, 11], num_decodes=1, packed_kv=True)
+    assert not batch.key_cache.is_contiguous()
+    assert_matches_reference(batch, batch.run())
+
+
+def test_write_kv_scatters_by_slot_and_skips_padding() -> None:
+    batch = Batch(small_spec(), [3, 2], [4, 0], pad_tokens=2)
+    before_k, before_v = batch.key_cache.clone(), batch.value_cache.clone()
+    batch.plan.provider.write_kv(
+        batch.key, batch.value, batch.key_cache, batch.value_cache, batch.plan
+    )
+    expected_k, expected_v = before_k.clone(), before_v.clone()
+    bs = batch.spec.block_size
+    for token, slot in enumerate(batch.slot_mapping.tolist()):
+        if slot >= 0:
+            expected_k[slot // bs, slot % bs] = batch.key[token]
+            expected_v[slot // bs, slot % bs] = batch.value[token]
+    torch.testing.assert_close(batch.key_cache, expected_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(batch.value_cache, expected_v, atol=0, rtol=0, equal_nan=True)
+    assert batch.key_cache[0].isnan().all(), "reserved block 0 must stay untouched"
+
+
+def test_encoder_attention_without_cache_reads_key_value() -> None:
+    spec = small_spec(causal=False)
+    batch = Batch(spec, [5, 9], [0, 0])
+    out = torch.full_like(batch.query, float("nan"))
+    batch.plan.provider.attend(batch.query, None, None, batch.plan, out, batch.key, batch.value)
+    assert_matches_reference(batch, out)
+
+
+def test_prepare_chooses_decode_tiles_only_for_decode_states() -> None:
+    decode = Batch(small_spec(), [1, 1], [5, 5], num_decodes=2)
+    mixed = Batch(small_spec(), [1, 4], [5, 5], num_decodes=1)
+    assert decode.plan.provider_data == TritonStepData(decode_tiles=True, num_kv_splits=1)
+    assert mixed.plan.provider_data == TritonStepData(decode_tiles=False, num_kv_splits=1)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_attend_rejects_wrong_query_shape() -> None:
+    batch = Batch(small_spec(), [2], [0])
+    bad = batch.query[:, :1]
+    with pytest.raises(ValueError, match=r"query must be \[tokens, 4, 64\]"):
+        batch.plan.provider.attend(bad, batch.key_cache, batch.value_cache, batch.plan, bad)
+
+
+def test_attend_rejects_wrong_dtype() -> None:
+    batch = Batch(small_spec(), [2], [0])
+    bad = batch.query.to(torch.float64)
+    with pytest.raises(TypeError, match="query must be"):
+        batch.plan.provider.attend(bad, batch.key_cache, batch.value_cache, batch.plan, bad)
+
+
+def test_attend_rejects_mismatched_out() -> None:
+    batch = Batch(small_spec(), [2], [0])
+    out = torch.empty_like(batch.query)[:1]
+    with pytest.raises(ValueError, match="out must match query"):
+        batch.plan.provider.attend(batch.query, batch.key_cache, batch.value_cache, batch.plan, out)
+
+
+def test_attend_rejects_cache_of_wrong_block_size() -> None:
+    batch = Batch(small_spec(), [2], [0])
+    bad = batch.key_cache.new_zeros(4, 32, 2, 64)
+    with pytest.raises(ValueError, match="key_cache must be"):
+        batch.plan.provider.attend(batch.query, bad, bad, batch.plan, batch.query.clone())
+
+
+def test_attend_rejects_missing_key_value_without_cache() -> None:
+    batch = Batch(small_spec(), [2], [0])
+    with pytest.raises(ValueError, match="needs key_cache/value_cache or key/value"):
+        batch.plan.provider.attend(batch.query, None, None, batch.plan, batch.query.clone())
+
+
+def test_write_kv_rejects_mismatched_tokens() -> None:
+    batch = Batch(small_spec(), [3], [0])
+    with pytest.raises(ValueError, match="same number of tokens"):
+        batch.plan.provider.write_kv(
+            batch.key, batch.value[:2], batch.key_cache, batch.value_cache, batch.plan
+        )
+
+
+def test_write_kv_rejects_cache_of_wrong_dtype() -> None:
+    batch = Batch(small_spec(), [3], [0])
+    bad = batch.value_cache.to(torch.float64)
+    with pytest.raises(TypeError, match="value_cache must be"):
+        batch.plan.provider.write_kv(batch.key, batch.value, batch.key_cache, bad, batch.plan)
+
+
+# ---------------------------------------------------------------- GPU matrix
+
+GPU_STATES = {
+    "prefill_no_cache": ([300, 17, 1, 128], [0, 0, 0, 0], 0),
+    "prefill_cache_hit": ([64, 200, 3], [513, 128, 1000], 0),
+    "decode_only": ([1] * 9, [1, 15, 16, 17, 127, 128, 129, 2000, 4097], 9),
+    "spec_decoding": ([4] * 3, [60, 1, 700], 3),
+    "chunked_prefill": ([1, 1, 1, 250, 33], [900, 5, 64, 0, 300], 3),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("state", list(GPU_STATES))
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_states_match_dense_reference(state: str, dtype: torch.dtype, block_size: int) -> None:
+    query_lens, context_lens, num_decodes = GPU_STATES[state]
+    spec = AttentionSpec(
+        num_heads=32,
+        num_kv_heads=8,
+        head_size=128,
+        block_size=block_size,
+        dtype=dtype,
+        num_speculative_tokens=3 if state == "spec_decoding" else 0,
+    )
+    batch = Batch(spec, query_lens, context_lens, num_decodes=num_decodes, pad_tokens=3)
+    assert_matches_reference(batch, batch.run())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (12, 4), (16, 1)])
+def test_gpu_head_sizes_and_groups(head_size: int, heads: tuple[int, int]) -> None:
+    spec = AttentionSpec(heads[0], heads[1], head_size, block_size=32, dtype=torch.bfloat16)
+    batch = Batch(spec, [1, 1, 70, 5], [300, 31, 40, 0], num_decodes=2, pad_tokens=2)
+    assert_matches_reference(batch, batch.run())
+    decode = Batch(spec, [1, 1, 1], [1000, 31, 2], num_decodes=3, pad_tokens=1, seed=1)
+    assert_matches_reference(decode, decode.run())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"sliding_window": 100},
+        {"logits_soft_cap": 30.0},
+        {"sliding_window": 64, "logits_soft_cap": 5.0},
+        {"causal": False},
+        {"scale": 0.3},
+    ],
+)
+@pytest.mark.parametrize("decode", [False, True])
+def test_gpu_features(features: dict, decode: bool) -> None:
+    spec = AttentionSpec(16, 4, 128, block_size=64, dtype=torch.bfloat16, **features)
+    if decode:
+        batch = Batch(spec, [1] * 4, [1500, 99, 100, 101], num_decodes=4, pad_tokens=2)
+    else:
+        batch = Batch(spec, [1, 300, 45], [700, 0, 260], num_decodes=1, pad_tokens=2)
+    assert_matches_reference(batch, batch.run())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_kv_splits", [2, 7, 64])
+def test_gpu_forced_kv_splits(num_kv_splits: int) -> None:
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    batch = Batch(spec, [1] * 5, [0, 1, 31, 600, 3000], num_decodes=5, pad_tokens=3)
+    batch.plan.provider_data = TritonStepData(decode_tiles=True, num_kv_splits=num_kv_splits)
+    assert_matches_reference(batch, batch.run())
+
+
+@pytest.mark.cuda
+def test_gpu_packed_kv_cache() -> None:
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    batch = Batch(spec, [1, 1, 200], [500, 7, 300], num_decodes=2, packed_kv=True, pad_tokens=1)
+    assert_matches_reference(batch, batch.run())
+
+
+@pytest.mark.cuda
+def test_gpu_graph_replay_reads_refreshed_step_tensors() -> None:
+    """A captured decode reads the step tensors at replay: refresh them in place,
+    replay, and compare with the dense reference of the new batch."""
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    first = Batch(spec, [1] * 4, [100, 200, 300, 1300], num_decodes=4, extra_blocks=100)
+    second = Batch(spec, [1] * 4, [900, 3, 50, 1200], num_decodes=4, seed=5)
+    plan, provider = first.plan, first.plan.provider
+    out = torch.empty_like(first.query)
+    first.run()  # warm up (compiles the kernels)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        provider.write_kv(first.key, first.value, first.key_cache, first.value_cache, plan)
+        provider.attend(first.query, first.key_cache, first.value_cache, plan, out)
+    # Move the second batch into the first's buffers (its caches are large enough).
+    assert second.key_cache.shape[0] <= first.key_cache.shape[0]
+    first.key_cache[: second.key_cache.shape[0]].copy_(second.key_cache)
+    first.value_cache[: second.value_cache.shape[0]].copy_(second.value_cache)
+    first.query.copy_(second.query)
+    first.key.copy_(second.key)
+    first.value.copy_(second.value)
+    plan.seq_lens.copy_(second.plan.seq_lens)
+    plan.slot_mapping.copy_(second.plan.slot_mapping)
+    width = second.plan.block_tables.shape[1]
+    plan.block_tables.zero_()[:, :width].copy_(second.plan.block_tables)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(second, out)
