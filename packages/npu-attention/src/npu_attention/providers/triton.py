@@ -186,9 +186,9 @@ def _launch_config(
         rows = queries_per_kv * (1 + spec.num_speculative_tokens)
         block_m = max(16, 1 << (rows - 1).bit_length())
     else:
-        block_m = 128 if spec.head_size <= 128 else 64
+        block_m = params.get("block_m", 128) if spec.head_size <= 128 else 64
         block_m = max(block_m, 1 << (queries_per_kv - 1).bit_length())
-    num_warps = params["num_warps"] if decode_tiles or block_m >= 128 else 4
+    num_warps = params["num_warps"] if spec.head_size <= 128 else 4
     return AttentionLaunchConfig(
         block_m=block_m,
         block_n=block_n,

@@ -1,0 +1,79 @@
+"""Timing, bandwidth baselines and result output shared by the benchmarks.
+
+Times are medians of CUDA-event timings (``triton.testing.do_bench``, which also
+clears the L2 cache before every repetition); they are meaningful only on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+for package in ("npu-attention", "npu-graphs"):
+    src = str(ROOT / "packages" / package / "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+
+
+def require_cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (times are taken on the GPU machine)")
+    return torch.device("cuda")
+
+
+def median_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median device time of ``fn`` in milliseconds (L2 flushed before each call)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def print_table(columns: list[str], rows: list[dict[str, Any]]) -> None:
+    """Print ``rows`` (dicts) as an aligned text table of ``columns``."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return str(value)
+
+    cells = [[cell(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` to ``benchmarks/results/<name>.json`` and return the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")
+    return path

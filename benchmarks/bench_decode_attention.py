@@ -1,0 +1,186 @@
+"""Paged decode attention (triton provider) vs SDPA on contiguous K/V, and vs copy bandwidth.
+
+Problem: 32 query / 8 KV heads, head size 128, bf16; batch 1, 16, 64, 256 x context
+512, 4096, 16384; paged caches of block size 128 and 16 over permuted pages.
+Effective bandwidth = bytes of K and V read / time. Baselines measured in the
+same run: a device-to-device copy (bytes read + written) and
+``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa=True``) on the
+same data laid out contiguously as ``[batch, kv_heads, context, head_size]``.
+
+    python benchmarks/bench_decode_attention.py [--tune] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Any
+
+import _timing  # first: puts the packages' src on sys.path
+import torch
+import torch.nn.functional as F
+from _paged_batch import hand_plan, page_kv, permuted_block_tables
+
+from npu_attention.providers.triton import TritonProvider
+from npu_attention.spec import AttentionSpec
+
+HEADS, KV_HEADS, HEAD_SIZE, DTYPE = 32, 8, 128, torch.bfloat16
+BATCHES = (1, 16, 64, 256)
+CONTEXTS = (512, 4096, 16384)
+BLOCK_SIZES = (128, 16)
+
+
+class DecodeProblem:
+    """Query and dense K/V of one (batch, context); paged copies made on demand."""
+
+    def __init__(self, batch: int, context: int, device: torch.device, seed: int = 0) -> None:
+        self.batch, self.context = batch, context
+        self.generator = torch.Generator().manual_seed(seed)
+        shape = (batch, KV_HEADS, context, HEAD_SIZE)
+        self.query = torch.randn(batch, HEADS, HEAD_SIZE, dtype=DTYPE, device=device)
+        self.key = torch.randn(shape, dtype=DTYPE, device=device)
+        self.value = torch.randn(shape, dtype=DTYPE, device=device)
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.key.numel() * self.key.element_size()
+
+    def sdpa(self) -> torch.Tensor:
+        q = self.query.unsqueeze(2)  # [batch, heads, 1, d]
+        out = F.scaled_dot_product_attention(q, self.key, self.value, enable_gqa=True)
+        return out.squeeze(2)
+
+    def paged_runner(self, provider: TritonProvider, block_size: int):
+        spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE)
+        block_tables = permuted_block_tables(
+            self.batch, self.context // block_size, self.generator, self.key.device
+        )
+        key_cache = page_kv(self.key, block_size, block_tables)
+        value_cache = page_kv(self.value, block_size, block_tables)
+        plan = hand_plan(
+            spec, provider, [1] * self.batch, [self.context] * self.batch, block_tables,
+            num_decodes=self.batch,
+        )  # fmt: skip
+        out = torch.empty_like(self.query)
+
+        def run() -> torch.Tensor:
+            provider.attend(self.query, key_cache, value_cache, plan, out)
+            return out
+
+        return run, plan
+
+
+def measure(problem: DecodeProblem, provider: TritonProvider, block_size: int) -> dict[str, Any]:
+    run, plan = problem.paged_runner(provider, block_size)
+    expected = problem.sdpa().float()
+    error = (run().float() - expected).abs().max().item()
+    ms = _timing.median_ms(run)
+    return {"ms": ms, "max_abs_err_vs_sdpa": error, "kv_splits": plan.provider_data.num_kv_splits}
+
+
+def tune(device: torch.device) -> dict[str, Any]:
+    """Sweep the decode launch parameters on the target shapes; return the best."""
+    provider = TritonProvider()
+    big = DecodeProblem(64, 4096, device)
+    trials = []
+    for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        provider.decode_launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+        try:
+            ms = measure(big, provider, 128)["ms"]
+            ms16 = measure(big, provider, 16)["ms"]
+        except Exception as error:  # e.g. out of shared memory
+            print(f"skip block_n={block_n} warps={warps} stages={stages}: {error}")
+            continue
+        trials.append({**provider.decode_launch, "ms_bs128": ms, "ms_bs16": ms16})
+        print(trials[-1])
+    best = min(trials, key=lambda t: t["ms_bs128"] + t["ms_bs16"])
+    provider.decode_launch = {k: best[k] for k in ("block_n", "num_warps", "num_stages")}
+    del big
+    small = DecodeProblem(1, 4096, device)
+    mid = DecodeProblem(16, 4096, device)
+    split_trials = []
+    for min_tokens, waves in itertools.product((128, 256, 512, 1024), (1, 2, 4)):
+        provider.min_tokens_per_split, provider.target_waves = min_tokens, waves
+        row = {
+            "min_tokens_per_split": min_tokens,
+            "target_waves": waves,
+            "ms_b1": measure(small, provider, 128)["ms"],
+            "ms_b16": measure(mid, provider, 128)["ms"],
+        }
+        split_trials.append(row)
+        print(row)
+    best_split = min(
+        split_trials,
+        key=lambda t: (
+            t["ms_b1"] / split_trials[0]["ms_b1"] + t["ms_b16"] / split_trials[0]["ms_b16"]
+        ),
+    )
+    return {
+        "launch": provider.decode_launch,
+        "min_tokens_per_split": best_split["min_tokens_per_split"],
+        "target_waves": best_split["target_waves"],
+        "launch_trials": trials,
+        "split_trials": split_trials,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tune", action="store_true", help="sweep launch parameters first")
+    parser.add_argument("--quick", action="store_true", help="batch <= 64, context <= 4096")
+    args = parser.parse_args()
+    device = _timing.require_cuda()
+    copy_bw = _timing.copy_bandwidth(device)
+    provider = TritonProvider()
+    tuning = None
+    if args.tune:
+        tuning = tune(device)
+        provider.decode_launch = tuning["launch"]
+        provider.min_tokens_per_split = tuning["min_tokens_per_split"]
+        provider.target_waves = tuning["target_waves"]
+    rows = []
+    for batch, context in itertools.product(BATCHES, CONTEXTS):
+        if args.quick and (batch > 64 or context > 4096):
+            continue
+        problem = DecodeProblem(batch, context, device)
+        sdpa_ms = _timing.median_ms(problem.sdpa)
+        for block_size in BLOCK_SIZES:
+            result = measure(problem, provider, block_size)
+            gbps = problem.kv_bytes / (result["ms"] * 1e-3) / 1e9
+            sdpa_gbps = problem.kv_bytes / (sdpa_ms * 1e-3) / 1e9
+            rows.append({
+                "batch": batch,
+                "context": context,
+                "block": block_size,
+                "splits": result["kv_splits"],
+                "triton_us": result["ms"] * 1e3,
+                "sdpa_us": sdpa_ms * 1e3,
+                "speedup": sdpa_ms / result["ms"],
+                "triton_GB/s": gbps,
+                "sdpa_GB/s": sdpa_gbps,
+                "bw_vs_copy": gbps * 1e9 / copy_bw,
+                "bw_vs_sdpa": gbps / sdpa_gbps,
+                "max_err": result["max_abs_err_vs_sdpa"],
+            })  # fmt: skip
+        del problem
+        torch.cuda.empty_cache()
+    print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
+    _timing.print_table(list(rows[0]), rows)
+    _timing.write_json(
+        "decode_attention",
+        {
+            "environment": _timing.environment(device),
+            "copy_bandwidth_GBps": copy_bw / 1e9,
+            "provider_settings": {
+                "decode_launch": provider.decode_launch,
+                "min_tokens_per_split": provider.min_tokens_per_split,
+                "target_waves": provider.target_waves,
+            },
+            "tuning": tuning,
+            "rows": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

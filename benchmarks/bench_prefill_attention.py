@@ -1,0 +1,165 @@
+"""Paged prefill attention (triton provider) vs SDPA, in TFLOP/s.
+
+Problems (32 query / 8 KV heads, head size 128, bf16, causal):
+- ``prefill``: 8 requests x 2048 new tokens, no cached context;
+- ``chunk_after_prefix``: one 512-token chunk after a 4096-token cached prefix
+  (bottom-right causal: query ``i`` sees keys ``<= 4096 + i``).
+The triton provider reads every key from a paged cache (permuted pages); SDPA
+(``enable_gqa=True``) reads contiguous ``[batch, kv_heads, seq, head_size]`` K/V.
+FLOPs count only the (query, key) pairs the causal mask keeps, 4 * head_size per
+pair and head, for both.
+
+    python benchmarks/bench_prefill_attention.py [--tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Any
+
+import _timing  # first: puts the packages' src on sys.path
+import torch
+import torch.nn.functional as F
+from _paged_batch import attention_flops, causal_pairs, hand_plan, page_kv, permuted_block_tables
+from torch.nn.attention.bias import causal_lower_right
+
+from npu_attention.providers.triton import TritonProvider
+from npu_attention.spec import AttentionSpec
+
+HEADS, KV_HEADS, HEAD_SIZE, DTYPE = 32, 8, 128, torch.bfloat16
+PROBLEMS = {"prefill": (8, 2048, 0), "chunk_after_prefix": (1, 512, 4096)}
+
+
+class PrefillProblem:
+    """``batch`` requests of ``query_len`` new tokens after ``context`` cached ones."""
+
+    def __init__(self, batch: int, query_len: int, context: int, device: torch.device) -> None:
+        self.batch, self.query_len, self.seq_len = batch, query_len, query_len + context
+        self.generator = torch.Generator().manual_seed(0)
+        self.query = torch.randn(batch, HEADS, query_len, HEAD_SIZE, dtype=DTYPE, device=device)
+        kv_shape = (batch, KV_HEADS, self.seq_len, HEAD_SIZE)
+        self.key = torch.randn(kv_shape, dtype=DTYPE, device=device)
+        self.value = torch.randn(kv_shape, dtype=DTYPE, device=device)
+
+    @property
+    def flops(self) -> int:
+        pairs = self.batch * causal_pairs(self.query_len, self.seq_len)
+        return attention_flops(HEADS, HEAD_SIZE, pairs)
+
+    def sdpa_runner(self):
+        if self.seq_len == self.query_len:
+            return lambda: F.scaled_dot_product_attention(
+                self.query, self.key, self.value, is_causal=True, enable_gqa=True
+            )
+        mask = causal_lower_right(self.query_len, self.seq_len)
+        try:
+            F.scaled_dot_product_attention(
+                self.query, self.key, self.value, attn_mask=mask, enable_gqa=True
+            )
+            key, value, gqa = self.key, self.value, True
+        except (RuntimeError, ValueError, NotImplementedError):  # no GQA with this mask
+            group = HEADS // KV_HEADS
+            key = self.key.repeat_interleave(group, dim=1)
+            value = self.value.repeat_interleave(group, dim=1)
+            gqa = False
+        return lambda: F.scaled_dot_product_attention(
+            self.query, key, value, attn_mask=mask, enable_gqa=gqa
+        )
+
+    def paged_runner(self, provider: TritonProvider, block_size: int):
+        spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE)
+        pages = -(-self.seq_len // block_size)
+        block_tables = permuted_block_tables(self.batch, pages, self.generator, self.key.device)
+        padded = pages * block_size - self.seq_len
+        key, value = (F.pad(t, (0, 0, 0, padded)) for t in (self.key, self.value))
+        key_cache = page_kv(key, block_size, block_tables)
+        value_cache = page_kv(value, block_size, block_tables)
+        plan = hand_plan(
+            spec, provider, [self.query_len] * self.batch, [self.seq_len] * self.batch,
+            block_tables, num_decodes=0,
+        )  # fmt: skip
+        query = self.query.transpose(1, 2).reshape(-1, HEADS, HEAD_SIZE).contiguous()
+        out = torch.empty_like(query)
+
+        def run() -> torch.Tensor:
+            provider.attend(query, key_cache, value_cache, plan, out)
+            return out
+
+        return run
+
+    def as_sdpa_layout(self, out: torch.Tensor) -> torch.Tensor:
+        return out.view(self.batch, self.query_len, HEADS, HEAD_SIZE).transpose(1, 2)
+
+
+def measure(problem: PrefillProblem, provider: TritonProvider, block_size: int) -> dict[str, Any]:
+    run = problem.paged_runner(provider, block_size)
+    expected = problem.sdpa_runner()().float()
+    error = (problem.as_sdpa_layout(run()).float() - expected).abs().max().item()
+    ms = _timing.median_ms(run)
+    return {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12, "max_abs_err": error}
+
+
+def tune(device: torch.device) -> dict[str, Any]:
+    provider = TritonProvider()
+    problem = PrefillProblem(*PROBLEMS["prefill"], device)
+    trials = []
+    for block_m, block_n, warps, stages in itertools.product(
+        (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
+    ):
+        launch = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+        provider.prefill_launch = launch
+        try:
+            result = measure(problem, provider, 128)
+        except Exception as error:  # e.g. out of shared memory
+            print(f"skip {launch}: {type(error).__name__}")
+            continue
+        trials.append({**launch, "tflops": result["tflops"]})
+        print(trials[-1])
+    best = max(trials, key=lambda t: t["tflops"])
+    launch = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")}
+    return {"launch": launch, "trials": trials}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tune", action="store_true", help="sweep launch parameters first")
+    args = parser.parse_args()
+    device = _timing.require_cuda()
+    provider = TritonProvider()
+    tuning = tune(device) if args.tune else None
+    if tuning:
+        provider.prefill_launch = tuning["launch"]
+    rows = []
+    for name, shape in PROBLEMS.items():
+        problem = PrefillProblem(*shape, device)
+        sdpa_ms = _timing.median_ms(problem.sdpa_runner())
+        sdpa_tflops = problem.flops / (sdpa_ms * 1e-3) / 1e12
+        for block_size in (128, 16):
+            result = measure(problem, provider, block_size)
+            rows.append({
+                "problem": name,
+                "block": block_size,
+                "triton_ms": result["ms"],
+                "sdpa_ms": sdpa_ms,
+                "triton_TFLOP/s": result["tflops"],
+                "sdpa_TFLOP/s": sdpa_tflops,
+                "vs_sdpa": result["tflops"] / sdpa_tflops,
+                "max_err": result["max_abs_err"],
+            })  # fmt: skip
+        del problem
+        torch.cuda.empty_cache()
+    _timing.print_table(list(rows[0]), rows)
+    _timing.write_json(
+        "prefill_attention",
+        {
+            "environment": _timing.environment(device),
+            "provider_settings": {"prefill_launch": provider.prefill_launch},
+            "tuning": tuning,
+            "rows": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
