@@ -63,7 +63,8 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         self.spec = attention_spec_for_layers(kv_cache_spec, layer_names, vllm_config)
         self.provider = attention_provider_name()
-        self.max_model_len = vllm_config.model_config.max_model_len
+        model_config = vllm_config.model_config
+        self.max_model_len = model_config.max_model_len if model_config is not None else None
 
     def build(
         self,
@@ -85,7 +86,9 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         query_lens, seq_lens = host_query_and_seq_lens(cm)
         fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens)
         if for_capture:
-            longest = min(self.max_model_len, block_tables.shape[1] * self.spec.block_size)
+            longest = block_tables.shape[1] * self.spec.block_size
+            if self.max_model_len is not None:
+                longest = min(longest, self.max_model_len)
             seq_lens = [max(longest, q) if q else 0 for q in query_lens]
         cu_seqlens_q = cumulative(query_lens)
         plan = npu_attention.plan(

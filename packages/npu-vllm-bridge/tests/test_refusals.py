@@ -1,0 +1,130 @@
+"""Models, layers and options the bridge cannot run are refused with a message naming them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.v1.attention.selector import AttentionSelectorConfig
+
+from npu_vllm_bridge.attention.impl import BridgeAttentionImpl
+from npu_vllm_bridge.platforms import checks
+
+
+def _selector(**overrides) -> AttentionSelectorConfig:
+    base = dict(head_size=64, dtype=torch.float16, kv_cache_dtype="auto", block_size=128)
+    return AttentionSelectorConfig(**{**base, **overrides})
+
+
+def test_selector_accepts_a_supported_layer_and_registers_custom():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    path = checks.backend_for_selector(_selector())
+    assert path == "npu_vllm_bridge.attention.backend.NPUBridgeAttentionBackend"
+    assert AttentionBackendEnum.CUSTOM.get_path() == path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"use_mla": True}, "does not support MLA"),
+        ({"use_sparse": True}, "sparse attention"),
+        ({"head_size": 32}, "head_size=32.*head_size not supported"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype=fp8.*kv_cache_dtype not supported"),
+        ({"has_sink": True}, "attention sinks not supported"),
+        ({"attn_type": "encoder_only"}, "attention type encoder_only not supported"),
+        ({"block_size": 8}, "block_size=8.*block_size not supported"),
+        ({"dtype": torch.int8}, "dtype not supported"),
+    ],
+)
+def test_selector_refuses_unsupported_layers(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        checks.backend_for_selector(_selector(**overrides))
+
+
+IMPL_ARGS = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"alibi_slopes": [0.5] * 4}, "ALiBi"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
+        ({"attn_type": "encoder_only"}, "decoder self-attention only.*encoder_only"),
+        ({"sinks": torch.zeros(4)}, "attention sinks"),
+        ({"use_alibi_sqrt": True}, r"attention options \['use_alibi_sqrt'\]"),
+    ],
+)
+def test_impl_refuses_unsupported_options(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        BridgeAttentionImpl(**{**IMPL_ARGS, **overrides})
+
+
+def _write_config(path, **fields) -> str:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 512,
+        "torch_dtype": "float32",
+    }
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def _vllm_config(model: str, **cache) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32"),
+        cache_config=CacheConfig(**cache),
+    )
+
+
+def test_supported_llama_passes_the_checks(tmp_path):
+    checks.check_model_and_options(_vllm_config(_write_config(tmp_path, head_dim=64)))
+
+
+def test_unsupported_head_size_is_named(tmp_path):
+    config = _vllm_config(_write_config(tmp_path, head_dim=32))
+    with pytest.raises(ValueError, match=r"head size 32 .*supported head sizes: \[64"):
+        checks.check_model_and_options(config)
+
+
+def test_fp8_kv_cache_is_refused(tmp_path):
+    config = _vllm_config(_write_config(tmp_path, head_dim=64), cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*fp8 KV cache"):
+        checks.check_model_and_options(config)
+
+
+def test_mla_model_is_refused(tmp_path):
+    model = _write_config(
+        tmp_path,
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        first_k_dense_replace=2,
+    )
+    with pytest.raises(ValueError, match="does not support MLA"):
+        checks.check_model_and_options(_vllm_config(model))
+
+
+def test_block_size_not_a_multiple_of_16_is_refused(tmp_path):
+    config = _vllm_config(_write_config(tmp_path, head_dim=64))
+    config.cache_config.block_size = 24
+    config.cache_config.user_specified_block_size = True
+    with pytest.raises(ValueError, match="multiple of 16, got block_size=24"):
+        checks.check_model_and_options(config)
