@@ -1,0 +1,311 @@
+"""Ascend NPU kernels through torch_npu's fused attention operators.
+
+Written against torch_npu's published API (operator schemas of torch_npu 2.14.0,
+op-plugin documentation) and checked in CI against those schemas with a stand-in
+``torch_npu`` module on CPU tensors (``tests-conformance/``). No machine this
+package is developed on has an Ascend NPU: this provider has not run on hardware.
+
+Operators, one per job:
+
+- KV write: ``torch_npu.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache,
+  slot_mapping, cache_mode="Norm")`` on ND caches ``[num_blocks, block_size,
+  kv_heads, head_size]``. Only the ``plan.num_actual_tokens`` real tokens are
+  passed: the op documents slots in ``[0, num_blocks * block_size)``, so graph
+  padding (slot ``-1``) never reaches it.
+- Every paged state (prefill with or without a cache hit, chunked prefill, decode,
+  speculative decode): ``torch_npu.npu_fused_infer_attention_score.out`` in ``TND``
+  layout with ``block_table`` (block size 128), cumulative query ends
+  (``plan.actual_seq_lengths_q``) and per-request KV lengths (``plan.seq_lens_host``).
+  Causal attention uses ``sparse_mode=3`` (bottom-right causal) with the shared
+  2048x2048 bool mask (``True`` above the diagonal = masked); a sliding window ``W``
+  uses ``sparse_mode=4`` (band) with ``pre_tokens=W - 1, next_tokens=0`` and the
+  same mask; non-causal attention over a cache uses ``sparse_mode=0`` without a
+  mask. The ``.out`` form writes into the caller's ``out`` so that a graph task
+  update re-issues the op into the same buffer; its workspace comes from
+  ``_npu_fused_infer_attention_score_get_max_workspace`` once per step.
+- Attention without a cache (encoder, or a prefill run before caches exist):
+  ``torch_npu.npu_fusion_attention`` in ``TND`` layout with cumulative
+  ``actual_seq_qlen`` / ``actual_seq_kvlen``; a training op, not graph-capturable.
+
+Unsupported here, refused with ``ValueError`` in ``prepare`` (once per step):
+``logits_soft_cap`` (the fused op has no soft cap; a silent fallback would hide a
+slow path), block sizes other than 128 (paged mode of the fused op takes
+multiples of 128 only) and a sliding window on non-causal attention. ``float32``
+is refused with ``TypeError`` (the fused op takes float16 / bfloat16).
+
+Known gap in the documentation: for single-token queries the op documents
+``pre_tokens`` as inert (incremental branch); whether a ``TND`` call whose requests
+all have one query token takes that branch is not documented, so sliding-window
+decode is unverified until run on hardware.
+
+torch_npu is imported only when this provider is used, and looked up at call
+time, so a stand-in module in ``sys.modules`` can answer the calls.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from npu_attention.providers.base import AttentionProvider
+from npu_attention.spec import AttentionSpec
+
+if TYPE_CHECKING:
+    from npu_attention.plan import AttentionPlan
+
+ASCEND_BLOCK_SIZE = 128
+CAUSAL_MASK_SIZE = 2048
+SPARSE_NONE = 0  # defaultMask without a mask: nothing masked
+SPARSE_CAUSAL = 3  # rightDownCausal: bottom-right aligned causal, 2048 mask
+SPARSE_BAND = 4  # band: pre_tokens / next_tokens around the bottom-right diagonal
+MAX_TOKENS = 2147483647  # the ops' default for pre_tokens / next_tokens
+ASCEND_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def torch_npu_module() -> ModuleType:
+    """The ``torch_npu`` module, from ``sys.modules`` when already imported."""
+    module = sys.modules.get("torch_npu")
+    return module if module is not None else importlib.import_module("torch_npu")
+
+
+@dataclass
+class AscendStepData:
+    """Per-step arguments of the torch_npu calls, built once by ``prepare``.
+
+    Host lists are what the fused ops take as ``SymInt[]``; ``workspace`` and
+    ``softmax_lse`` are filled by the first layer of the step and reused.
+    """
+
+    num_actual_tokens: int
+    actual_seq_lengths: list[int]  # cumulative query ends, [num_reqs]
+    actual_seq_lengths_kv: list[int]  # per-request KV lengths, [num_reqs]
+    sparse_mode: int
+    pre_tokens: int
+    next_tokens: int
+    atten_mask: torch.Tensor | None  # bool [2048, 2048], shared
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # [num_actual_tokens]
+    workspace: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+    softmax_lse: torch.Tensor | None = None  # float32 [1] (lse not requested)
+
+
+class AscendProvider(AttentionProvider):
+    """torch_npu kernels for Ascend NPUs (unverified on hardware, see module doc).
+
+    Caches must be contiguous ``[num_blocks, block_size, kv_heads, head_size]``
+    tensors (the fused op reads them as ``(blocknum, blocksize, H)``), and every
+    real token (``t < plan.num_actual_tokens``) needs a slot ``>= 0``: the KV write
+    op documents no padding slot, so ``-1`` may only mark graph padding beyond the
+    real tokens (checked in ``prepare`` when ``slot_mapping`` is on the host).
+    """
+
+    name: ClassVar[str] = "ascend"
+    device_types: ClassVar[tuple[str, ...]] = ("npu",)
+
+    def __init__(self) -> None:
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            torch_npu_module()
+        except Exception:  # torch_npu absent, or present without CANN libraries
+            return False
+        return True
+
+    def prepare(self, plan: AttentionPlan) -> AscendStepData:
+        """Validate the spec for torch_npu and build the step's host arguments."""
+        check_spec(plan.spec)
+        spec = plan.spec
+        n = plan.num_actual_tokens
+        sparse_mode, pre_tokens, next_tokens = SPARSE_NONE, MAX_TOKENS, MAX_TOKENS
+        if spec.causal:
+            sparse_mode, next_tokens = SPARSE_CAUSAL, 0
+            if spec.sliding_window is not None:
+                sparse_mode, pre_tokens = SPARSE_BAND, spec.sliding_window - 1
+        mask = self._causal_mask(plan.device) if spec.causal else None
+        slots = plan.slot_mapping[:n]
+        if slots.device.type == "cpu" and bool((slots < 0).any()):
+            raise ValueError(
+                "the ascend provider needs a slot >= 0 for every real token (the KV write "
+                f"op has no padding slot), got negative slots among the first {n}"
+            )
+        return AscendStepData(
+            num_actual_tokens=n,
+            actual_seq_lengths=list(plan.actual_seq_lengths_q),
+            actual_seq_lengths_kv=list(plan.seq_lens_host),
+            sparse_mode=sparse_mode,
+            pre_tokens=pre_tokens,
+            next_tokens=next_tokens,
+            atten_mask=mask,
+            block_table=plan.block_tables.to(torch.int32),
+            slot_mapping=slots,
+        )
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> None:
+        data = _step_data(plan)
+        _check_contiguous(key_cache, value_cache)
+        n = data.num_actual_tokens
+        torch_npu_module().npu_scatter_pa_kv_cache(
+            key[:n].contiguous(),
+            value[:n].contiguous(),
+            key_cache,
+            value_cache,
+            data.slot_mapping,
+            cache_mode="Norm",
+        )
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor | None,
+        value_cache: torch.Tensor | None,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> None:
+        data = _step_data(plan)
+        if key_cache is None or value_cache is None:
+            if key is None or value is None:
+                raise ValueError(
+                    "attend without caches needs key and value, got "
+                    f"key={_kind(key)}, value={_kind(value)}"
+                )
+            self._attend_no_cache(query, key, value, plan, data, out)
+        else:
+            _check_contiguous(key_cache, value_cache)
+            self._attend_paged(query, key_cache, value_cache, plan, data, out)
+
+    def _attend_paged(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: AttentionPlan,
+        data: AscendStepData,
+        out: torch.Tensor,
+    ) -> None:
+        npu = torch_npu_module()
+        spec = plan.spec
+        n = data.num_actual_tokens
+        num_blocks, block_size = key_cache.shape[:2]
+        kwargs: dict[str, Any] = dict(
+            atten_mask=data.atten_mask,
+            actual_seq_lengths=data.actual_seq_lengths,
+            actual_seq_lengths_kv=data.actual_seq_lengths_kv,
+            block_table=data.block_table,
+            num_heads=spec.num_heads,
+            scale=spec.softmax_scale,
+            pre_tokens=data.pre_tokens,
+            next_tokens=data.next_tokens,
+            input_layout="TND",
+            num_key_value_heads=spec.num_kv_heads,
+            sparse_mode=data.sparse_mode,
+            block_size=block_size,
+        )
+        q = query[:n].contiguous()
+        k = key_cache.view(num_blocks, block_size, -1)
+        v = value_cache.view(num_blocks, block_size, -1)
+        workspace_key = (tuple(q.shape), tuple(k.shape), q.dtype)
+        workspace = data.workspace.get(workspace_key)
+        if workspace is None:
+            workspace = npu._npu_fused_infer_attention_score_get_max_workspace(q, k, v, **kwargs)
+            data.workspace[workspace_key] = workspace
+        if data.softmax_lse is None:
+            data.softmax_lse = torch.empty(1, dtype=torch.float32, device=query.device)
+        npu.npu_fused_infer_attention_score.out(
+            q, k, v, **kwargs, workspace=workspace, out=[out[:n], data.softmax_lse]
+        )
+
+    def _attend_no_cache(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        plan: AttentionPlan,
+        data: AscendStepData,
+        out: torch.Tensor,
+    ) -> None:
+        spec = plan.spec
+        n = data.num_actual_tokens
+        result = torch_npu_module().npu_fusion_attention(
+            query[:n].contiguous(),
+            key[:n].contiguous(),
+            value[:n].contiguous(),
+            spec.num_heads,
+            "TND",
+            atten_mask=data.atten_mask,
+            scale=spec.softmax_scale,
+            keep_prob=1.0,
+            pre_tockens=data.pre_tokens,
+            next_tockens=data.next_tokens,
+            actual_seq_qlen=data.actual_seq_lengths,
+            actual_seq_kvlen=data.actual_seq_lengths,
+            sparse_mode=data.sparse_mode,
+        )
+        out[:n].copy_(result[0])
+
+    def _causal_mask(self, device: torch.device) -> torch.Tensor:
+        """The shared 2048x2048 bool mask, ``True`` strictly above the diagonal."""
+        mask = self._masks.get(device)
+        if mask is None:
+            ones = torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.bool, device=device)
+            mask = self._masks[device] = torch.triu(ones, diagonal=1)
+        return mask
+
+
+def check_spec(spec: AttentionSpec) -> None:
+    """Raise if ``spec`` asks for something the torch_npu ops cannot do."""
+    if spec.logits_soft_cap is not None:
+        raise ValueError(
+            "the ascend provider does not support logits_soft_cap (the fused attention "
+            f"op has no soft cap), got logits_soft_cap={spec.logits_soft_cap}"
+        )
+    if spec.block_size != ASCEND_BLOCK_SIZE:
+        raise ValueError(
+            f"the ascend provider needs block_size={ASCEND_BLOCK_SIZE} (paged fused "
+            f"attention takes multiples of 128), got block_size={spec.block_size}"
+        )
+    if spec.dtype not in ASCEND_DTYPES:
+        raise TypeError(f"the ascend provider needs dtype in {ASCEND_DTYPES}, got {spec.dtype}")
+    if spec.sliding_window is not None and not spec.causal:
+        raise ValueError(
+            "the ascend provider supports sliding_window only with causal attention, "
+            f"got sliding_window={spec.sliding_window} with causal=False"
+        )
+
+
+def _step_data(plan: AttentionPlan) -> AscendStepData:
+    data = plan.provider_data
+    if not isinstance(data, AscendStepData):
+        raise ValueError(
+            "plan was not prepared by the ascend provider: expected AscendStepData in "
+            f"plan.provider_data, got {type(data).__name__}"
+        )
+    return data
+
+
+def _check_contiguous(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not cache.is_contiguous():
+            raise ValueError(
+                f"the ascend provider needs a contiguous {name} [num_blocks, block_size, "
+                f"kv_heads, head_size], got strides {cache.stride()} for shape {tuple(cache.shape)}"
+            )
+
+
+def _kind(tensor: torch.Tensor | None) -> str:
+    return "None" if tensor is None else f"Tensor{tuple(tensor.shape)}"

@@ -1,0 +1,39 @@
+"""Fixtures: torch_npu's published API from its wheel, and a stand-in torch_npu."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # helper modules beside the tests
+
+from schema_stand_in import CallLog, StandInTorchNpu
+from torch_npu_schemas import TorchNpuApi, download_wheel, read_wheel
+
+WHEEL_DIR_ENV = "TORCH_NPU_WHEEL_DIR"  # where to keep (or find) the downloaded wheel
+
+
+@pytest.fixture(scope="session")
+def torch_npu_api(request: pytest.FixtureRequest) -> TorchNpuApi:
+    """Schemas and Python API of the pinned torch_npu wheel (downloaded once, cached).
+
+    A failed download fails the tests: these checks must really run in CI.
+    """
+    configured = os.environ.get(WHEEL_DIR_ENV)
+    dest = Path(configured) if configured else request.config.cache.mkdir("torch-npu-wheel")
+    dest.mkdir(parents=True, exist_ok=True)
+    return read_wheel(download_wheel(dest))
+
+
+@pytest.fixture
+def stand_in(
+    torch_npu_api: TorchNpuApi, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[StandInTorchNpu]:
+    """A stand-in ``torch_npu`` in ``sys.modules`` for the duration of one test."""
+    module = StandInTorchNpu(torch_npu_api, CallLog())
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    yield module

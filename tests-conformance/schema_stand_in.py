@@ -1,0 +1,433 @@
+"""A stand-in ``torch_npu`` module built from torch_npu's own schemas.
+
+Every attribute of the stand-in is an operator of the torch_npu wheel's codegen
+yaml; an attribute torch_npu does not have raises ``SchemaViolation``. A call is
+first bound to the operator's schema (keywords, required arguments, arity,
+argument types), then checked against the values and shapes the op-plugin
+documentation allows, recorded, and finally answered on CPU tensors by a
+reference implementation of what the documentation says the op computes:
+
+- ``npu_fused_infer_attention_score`` (+ ``.out``, ``_get_max_workspace``) in
+  ``TND`` layout: ``actual_seq_lengths`` are *cumulative* query ends,
+  ``actual_seq_lengths_kv`` *per-request* KV lengths when a ``block_table`` pages
+  the KV; ``sparse_mode`` 0 (no mask), 2 (top-left causal), 3 (bottom-right
+  causal), 4 (band: ``pre_tokens`` before and ``next_tokens`` after the
+  bottom-right diagonal); modes 2 to 4 take the 2048x2048 mask, ``True`` above the
+  diagonal; ``softmax_lse`` is ``[T, N, 1]`` float32 when asked for, else ``[1]``.
+- ``npu_scatter_pa_kv_cache`` with ``cache_mode="Norm"`` (ND caches
+  ``[num_blocks, block_size, N, D]``); slots must lie in ``[0, num_blocks * block_size)``.
+- ``npu_fusion_attention`` in ``TND`` with cumulative ``actual_seq_qlen/kvlen``.
+
+Any other operator, or a documented mode the reference does not model, raises
+``NotModeled`` after the schema check. Nothing in the packages imports this module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch_npu_schemas import OpSchema, SchemaViolation, TorchNpuApi
+
+FIA_LAYOUTS = (
+    "BSH",
+    "BSND",
+    "BNSD",
+    "BNSD_BSND",
+    "BSH_NBSD",
+    "BSND_NBSD",
+    "BNSD_NBSD",
+    "TND",
+    "TND_NTD",
+    "NTD_TND",
+)  # documented input_layout values
+FIA_SPARSE_MODES = (0, 1, 2, 3, 4)  # documented for the prompt branch
+FUSION_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+SCATTER_CACHE_MODES = ("PA_NZ", "Norm")
+MASK_SIZE = 2048
+FIA_DTYPES = (torch.float16, torch.bfloat16)
+PAGED_BLOCK_SIZES = range(128, 513, 128)  # paged prompt attention: multiples of 128 up to 512
+
+
+class NotModeled(Exception):
+    """A call torch_npu accepts but the stand-in's reference does not implement."""
+
+
+@dataclass
+class Call:
+    """One recorded call: which API, with every argument by name."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class CallLog:
+    calls: list[Call] = field(default_factory=list)
+
+    def names(self) -> set[str]:
+        return {call.name for call in self.calls}
+
+    def of(self, name: str) -> list[Call]:
+        return [call for call in self.calls if call.name == name]
+
+
+class CheckedOp:
+    """A torch_npu operator: schema check, documented-value check, record, compute."""
+
+    def __init__(
+        self,
+        schema: OpSchema,
+        log: CallLog,
+        implementation: Callable[[dict[str, Any]], Any] | None,
+        out: CheckedOp | None = None,
+    ) -> None:
+        self.schema = schema
+        self._log = log
+        self._implementation = implementation
+        if out is not None:
+            self.out = out
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        arguments = self.schema.bind(args, kwargs)
+        self._log.calls.append(Call(self.schema.name, arguments))
+        if self._implementation is None:
+            raise NotModeled(f"the stand-in does not compute torch_npu.{self.schema.name}")
+        return self._implementation(arguments)
+
+
+class StandInTorchNpu(types.ModuleType):
+    """``torch_npu`` as far as its schemas and documentation describe it."""
+
+    def __init__(self, api: TorchNpuApi, log: CallLog) -> None:
+        super().__init__("torch_npu")
+        self.__version__ = api.version
+        self.log = log
+        for name, schema in api.operators.items():
+            if "." in name:
+                continue
+            out_schema = api.operators.get(f"{name}.out")
+            out = None
+            if out_schema is not None:
+                out = CheckedOp(out_schema, log, IMPLEMENTATIONS.get(out_schema.name))
+            setattr(self, name, CheckedOp(schema, log, IMPLEMENTATIONS.get(name), out))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise SchemaViolation(f"torch_npu {self.__version__} has no operator {name!r}")
+
+
+# ---------------------------------------------------------------- fused infer attention
+
+
+def _fia_check(a: dict[str, Any]) -> None:
+    """The documented constraints of the TND + paged KV use of the fused op."""
+    _expect(
+        a["input_layout"] in FIA_LAYOUTS,
+        f"input_layout {a['input_layout']!r} is not one of the documented layouts {FIA_LAYOUTS}",
+    )
+    _expect(
+        a["sparse_mode"] in FIA_SPARSE_MODES,
+        f"sparse_mode={a['sparse_mode']} is not documented (supported: {FIA_SPARSE_MODES})",
+    )
+    if a["input_layout"] != "TND":
+        raise NotModeled(f"input_layout {a['input_layout']!r}")
+    query, key, value = a["query"], a["key"], a["value"]
+    _expect(
+        query.dtype in FIA_DTYPES, f"query dtype must be one of {FIA_DTYPES}, got {query.dtype}"
+    )
+    _expect(key.dtype == value.dtype == query.dtype, "query, key and value dtypes differ")
+    _expect(
+        key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
+    )
+    for name in ("query", "key", "value"):
+        _expect(a[name].is_contiguous(), f"{name} must be contiguous")
+    _expect(query.dim() == 3, f"TND query must be [T, N, D], got {tuple(query.shape)}")
+    num_heads, num_kv_heads = a["num_heads"], a["num_key_value_heads"] or a["num_heads"]
+    _expect(query.shape[1] == num_heads, f"num_heads={num_heads} but query has {query.shape[1]}")
+    _expect(
+        num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64,
+        f"num_heads={num_heads} is not a multiple (<= 64x) of num_key_value_heads={num_kv_heads}",
+    )
+    ends = a["actual_seq_lengths"]
+    _expect(ends is not None and len(ends) > 0, "TND needs actual_seq_lengths")
+    _expect(
+        all(e >= 0 for e in ends) and all(x <= y for x, y in itertools.pairwise(ends)),
+        f"TND actual_seq_lengths are cumulative (non-decreasing), got {list(ends)}",
+    )
+    _expect(
+        ends[-1] == query.shape[0],
+        f"TND actual_seq_lengths[-1] must equal T={query.shape[0]}, got {ends[-1]}",
+    )
+    if a["sparse_mode"] in (1, 2, 3, 4):
+        _check_compressed_mask(a["atten_mask"], a["sparse_mode"])
+    elif a["atten_mask"] is not None:
+        raise NotModeled("sparse_mode=0 with a full atten_mask")
+    if a["block_table"] is None:
+        raise NotModeled("the fused op without block_table")
+    _check_paged(a, num_kv_heads, query.shape[2], len(ends))
+
+
+def _check_compressed_mask(mask: torch.Tensor | None, sparse_mode: int) -> None:
+    if sparse_mode == 1:
+        raise NotModeled("sparse_mode=1 (allMask)")
+    _expect(mask is not None, f"sparse_mode={sparse_mode} needs the 2048x2048 atten_mask")
+    _expect(
+        mask.dtype in (torch.bool, torch.int8, torch.uint8),
+        f"atten_mask dtype must be bool/int8/uint8, got {mask.dtype}",
+    )
+    _expect(
+        mask.shape[-2:] == (MASK_SIZE, MASK_SIZE) and mask.numel() == MASK_SIZE**2,
+        f"sparse_mode={sparse_mode} needs a (2048, 2048) atten_mask, got {tuple(mask.shape)}",
+    )
+    expected = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu(1)
+    _expect(
+        torch.equal(mask.reshape(MASK_SIZE, MASK_SIZE).bool().cpu(), expected),
+        "the 2048x2048 atten_mask must be True strictly above the diagonal",
+    )
+
+
+def _check_paged(a: dict[str, Any], num_kv_heads: int, head_size: int, batch: int) -> None:
+    key, table, block_size = a["key"], a["block_table"], a["block_size"]
+    _expect(
+        table.dtype == torch.int32 and table.dim() == 2,
+        f"block_table must be int32 [B, max_blocks], got {table.dtype} {tuple(table.shape)}",
+    )
+    _expect(table.shape[0] == batch, f"block_table has {table.shape[0]} rows for batch {batch}")
+    _expect(
+        block_size in PAGED_BLOCK_SIZES,
+        f"paged block_size must be a multiple of 128 in [128, 512], got {block_size}",
+    )
+    if key.dim() == 3:
+        _expect(
+            key.shape[1] == block_size and key.shape[2] == num_kv_heads * head_size,
+            f"paged key (blocknum, blocksize, H) must be (*, {block_size}, "
+            f"{num_kv_heads * head_size}), got {tuple(key.shape)}",
+        )
+    else:
+        _expect(
+            key.dim() == 4 and key.shape[1:] == (num_kv_heads, block_size, head_size),
+            f"paged key must be (blocknum, blocksize, H) or (blocknum, KV_N, blocksize, D), "
+            f"got {tuple(key.shape)}",
+        )
+    kv_lens = a["actual_seq_lengths_kv"]
+    _expect(
+        kv_lens is not None and len(kv_lens) == batch,
+        f"paged attention needs actual_seq_lengths_kv with one length per request ({batch})",
+    )
+    capacity = table.shape[1] * block_size
+    _expect(
+        all(0 <= n <= capacity for n in kv_lens),
+        f"actual_seq_lengths_kv are per-request lengths <= {capacity}, got {list(kv_lens)}",
+    )
+
+
+def _fia_compute(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    _fia_check(a)
+    query = a["query"]
+    num_heads, num_kv_heads = a["num_heads"], a["num_key_value_heads"] or a["num_heads"]
+    key = _paged_tokens(a["key"], num_kv_heads)
+    value = _paged_tokens(a["value"], num_kv_heads)
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    lse = torch.full((query.shape[0], num_heads, 1), float("inf"), dtype=torch.float32)
+    ends = list(a["actual_seq_lengths"])
+    block_size = a["block_size"]
+    for b, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        kv_len = a["actual_seq_lengths_kv"][b]
+        blocks = a["block_table"][b, : math.ceil(kv_len / block_size)].long()
+        _expect(
+            bool((blocks >= 0).all()) and bool((blocks < key.shape[0]).all()),
+            f"block_table row {b} holds block ids outside [0, {key.shape[0]})",
+        )
+        k = key[blocks].reshape(-1, num_kv_heads, key.shape[-1])[:kv_len]
+        v = value[blocks].reshape(-1, num_kv_heads, value.shape[-1])[:kv_len]
+        visible = _visible(end - start, kv_len, a["sparse_mode"], a["pre_tokens"], a["next_tokens"])
+        rows, row_lse = _softmax_attention(query[start:end], k, v, visible, a["scale"])
+        out[start:end], lse[start:end] = rows, row_lse
+    return out.to(query.dtype), lse
+
+
+def _paged_tokens(cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[blocks, block_size, kv_heads, D]`` view of a (blocknum, blocksize, H) or BNSD cache."""
+    if cache.dim() == 3:
+        return cache.reshape(cache.shape[0], cache.shape[1], num_kv_heads, -1)
+    return cache.transpose(1, 2)
+
+
+def _visible(q_len: int, kv_len: int, sparse_mode: int, pre: int, nxt: int) -> torch.Tensor:
+    """``[q_len, kv_len]`` bool: which keys each query sees, by the documented modes."""
+    i = torch.arange(q_len).unsqueeze(1)
+    j = torch.arange(kv_len).unsqueeze(0)
+    if sparse_mode == 0:
+        return torch.ones(q_len, kv_len, dtype=torch.bool)
+    if sparse_mode == 2:
+        return j <= i
+    diagonal = i + (kv_len - q_len)  # bottom-right aligned
+    if sparse_mode == 3:
+        return j <= diagonal
+    return (j >= diagonal - pre) & (j <= diagonal + nxt)
+
+
+def _softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[S, N, D]``, k/v ``[L, KV_N, D]`` -> out ``[S, N, D]``, lse ``[S, N, 1]`` (float32)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("snd,lnd->nsl", q.float(), k) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [N, S]
+    probs = torch.nan_to_num(torch.exp(scores - lse.unsqueeze(-1)))
+    out = torch.einsum("nsl,lnd->snd", probs, v)
+    return out, lse.transpose(0, 1).unsqueeze(-1)
+
+
+def _fia(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _fia_compute(a)
+    return out, lse if a["softmax_lse_flag"] else torch.zeros(1, dtype=torch.float32)
+
+
+def _fia_out(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _fia(a)
+    attention_out, softmax_lse = a["out"]
+    _expect(
+        attention_out.shape == out.shape and attention_out.dtype == out.dtype,
+        f"attention_out must be {tuple(out.shape)} {out.dtype}, got "
+        f"{tuple(attention_out.shape)} {attention_out.dtype}",
+    )
+    _expect(
+        softmax_lse.shape == lse.shape,
+        f"softmax_lse must be {tuple(lse.shape)} "
+        f"(softmax_lse_flag={a['softmax_lse_flag']}), got {tuple(softmax_lse.shape)}",
+    )
+    attention_out.copy_(out)
+    softmax_lse.copy_(lse)
+    return attention_out, softmax_lse
+
+
+def _fia_workspace(a: dict[str, Any]) -> torch.Tensor:
+    _fia_check(a)
+    return torch.empty(1, dtype=torch.uint8)
+
+
+# ---------------------------------------------------------------- KV cache write
+
+
+def _scatter_pa_kv_cache(a: dict[str, Any]) -> None:
+    mode = a["cache_mode"]
+    _expect(
+        mode in SCATTER_CACHE_MODES,
+        f"cache_mode={mode!r} is not documented ({SCATTER_CACHE_MODES})",
+    )
+    key, value, key_cache, value_cache, slots = (
+        a["key"],
+        a["value"],
+        a["key_cache"],
+        a["value_cache"],
+        a["slot_mapping"],
+    )
+    for name in ("key", "value", "key_cache", "value_cache", "slot_mapping"):
+        _expect(a[name].is_contiguous(), f"{name} must be contiguous")
+    _expect(
+        key.dtype == value.dtype == key_cache.dtype == value_cache.dtype,
+        "key, value and the caches must share one dtype",
+    )
+    _expect(
+        slots.dtype in (torch.int32, torch.int64),
+        f"slot_mapping must be int32/int64, got {slots.dtype}",
+    )
+    if mode == "PA_NZ" and key.dim() == 3:
+        hidden = key.shape[1] * key.shape[2]
+        _expect(
+            key_cache.dim() == 4 and key_cache.shape[1] * key_cache.shape[3] == hidden,
+            f"PA_NZ key_cache must be [num_blocks, N*D/last, block_size, last] with "
+            f"N*D={hidden}, got {tuple(key_cache.shape)} (ND caches need cache_mode='Norm')",
+        )
+    if mode != "Norm" or key.dim() != 3:
+        raise NotModeled(f"npu_scatter_pa_kv_cache with cache_mode={mode!r}, key {key.dim()}-D")
+    _expect(
+        key_cache.dim() == 4 and key_cache.shape[2:] == key.shape[1:],
+        f"Norm key_cache must be [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], "
+        f"got {tuple(key_cache.shape)}",
+    )
+    _expect(
+        value_cache.shape[:3] == key_cache.shape[:3] and value_cache.shape[3] == value.shape[2],
+        f"value_cache {tuple(value_cache.shape)} does not fit value {tuple(value.shape)}",
+    )
+    _expect(
+        slots.dim() == 1 and slots.shape[0] == key.shape[0],
+        f"slot_mapping must be [{key.shape[0]}], got {tuple(slots.shape)}",
+    )
+    capacity = key_cache.shape[0] * key_cache.shape[1]
+    _expect(
+        bool(((slots >= 0) & (slots < capacity)).all()),
+        f"slot_mapping values must lie in [0, {capacity}), got {slots.tolist()}",
+    )
+    _expect(slots.unique().numel() == slots.numel(), "slot_mapping values must be unique")
+    key_cache.view(capacity, *key_cache.shape[2:])[slots.long()] = key
+    value_cache.view(capacity, *value_cache.shape[2:])[slots.long()] = value
+
+
+# ---------------------------------------------------------------- fusion attention (no cache)
+
+
+def _fusion_attention(a: dict[str, Any]) -> tuple[Any, ...]:
+    layout, sparse_mode = a["input_layout"], a["sparse_mode"]
+    _expect(
+        layout in FUSION_LAYOUTS, f"input_layout {layout!r} is not documented ({FUSION_LAYOUTS})"
+    )
+    _expect(sparse_mode in range(9), f"sparse_mode={sparse_mode} is not documented (0..8)")
+    if layout != "TND" or sparse_mode not in (0, 2, 3, 4):
+        raise NotModeled(f"npu_fusion_attention with {layout}, sparse_mode={sparse_mode}")
+    query, key, value = a["query"], a["key"], a["value"]
+    _expect(query.dim() == key.dim() == value.dim() == 3, "TND tensors are [T, N, D]")
+    _expect(
+        query.shape[1] == a["head_num"],
+        f"head_num={a['head_num']} but query has {query.shape[1]} heads",
+    )
+    _expect(a["keep_prob"] == 1.0, "inference needs keep_prob=1.0")
+    q_ends, kv_ends = a["actual_seq_qlen"], a["actual_seq_kvlen"]
+    _expect(
+        q_ends is not None and kv_ends is not None and len(q_ends) == len(kv_ends),
+        "TND needs actual_seq_qlen and actual_seq_kvlen of one length",
+    )
+    for ends, total, name in ((q_ends, query.shape[0], "qlen"), (kv_ends, key.shape[0], "kvlen")):
+        _expect(
+            all(x <= y for x, y in zip([0, *ends], ends)) and ends[-1] == total,
+            f"actual_seq_{name} are cumulative ends reaching {total}, got {list(ends)}",
+        )
+    if sparse_mode in (2, 3, 4):
+        _check_compressed_mask(a["atten_mask"], sparse_mode)
+    else:
+        _expect(a["atten_mask"] is None, "sparse_mode=0 with a mask is not modeled")
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    softmax_max = torch.zeros(query.shape[0], query.shape[1], 8, dtype=torch.float32)
+    for (qs, qe), (ks, ke) in zip(zip([0, *q_ends], q_ends), zip([0, *kv_ends], kv_ends)):
+        visible = _visible(qe - qs, ke - ks, sparse_mode, a["pre_tockens"], a["next_tockens"])
+        out[qs:qe], lse = _softmax_attention(
+            query[qs:qe], key[ks:ke], value[ks:ke], visible, a["scale"]
+        )
+        softmax_max[qs:qe] = lse  # stands in for the max/sum pair
+    empty = torch.empty(0)
+    return out.to(query.dtype), softmax_max, softmax_max.clone(), empty, 0, 0, 0
+
+
+IMPLEMENTATIONS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "npu_fused_infer_attention_score": _fia,
+    "npu_fused_infer_attention_score.out": _fia_out,
+    "_npu_fused_infer_attention_score_get_max_workspace": _fia_workspace,
+    "npu_scatter_pa_kv_cache": _scatter_pa_kv_cache,
+    "npu_fusion_attention": _fusion_attention,
+}
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise SchemaViolation(message)
