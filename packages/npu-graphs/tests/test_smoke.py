@@ -2,11 +2,17 @@
 
 import importlib.metadata
 
+import pytest
+
 import npu_graphs
 
 
 def test_version_matches_distribution() -> None:
-    assert npu_graphs.__version__ == importlib.metadata.version("npu-graphs")
+    try:
+        installed = importlib.metadata.version("npu-graphs")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("npu-graphs is not installed (run from a source path)")
+    assert npu_graphs.__version__ == installed
 
 
 def test_public_names_present() -> None:

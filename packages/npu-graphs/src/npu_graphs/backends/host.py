@@ -1,0 +1,405 @@
+"""Host graphs: CPU tensor work recorded as a list of aten ops, mirroring NPU graphs.
+
+Capture runs the work once and records every aten op issued inside the capture
+context (through a ``TorchDispatchMode``) together with its arguments and outputs.
+Replay re-executes the recorded ops in order and writes their results into the
+tensors produced at capture, so a graph's outputs live at fixed addresses, as on a
+device. Host arguments (Python ints, lists) are baked into the records exactly as an
+NPU graph bakes them into its tasks: a slice length captured as 4 stays 4 at replay.
+
+A task group brackets the ops of one updatable task. ``update_tasks`` re-issues the
+task's callable with new host arguments under an update recorder that executes
+nothing (as an NPU task update executes nothing): it only checks that the same number
+and kind of ops come out and swaps their arguments into the group.
+
+Ops outside the ``aten``/``prims`` namespaces (custom ops whose Python kernel may read
+global state at call time) are recorded *below*: their kernel runs with the recorder
+active, so the aten ops they issue are recorded with the values read at capture.
+Replaying them as one opaque op would re-read fresh state and hide staleness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+from npu_graphs.backends.base import GraphBackend, TaskUpdate
+from npu_graphs.errors import GraphCaptureError, GraphReplayError, TaskUpdateError
+
+_NATIVE_NAMESPACES = frozenset({"aten", "prim", "prims"})
+_aten = torch.ops.aten
+_ALLOC_OPS = frozenset(
+    {
+        _aten.empty.memory_format,
+        _aten.empty_like.default,
+        _aten.empty_strided.default,
+        _aten.new_empty.default,
+        _aten.new_empty_strided.default,
+    }
+)
+_METADATA_OPS = frozenset({"set_", "resize_", "resize_as_"})
+
+
+class _Kind(enum.Enum):
+    VIEW = "view"  # output aliases an input with fixed geometry: nothing to redo
+    ALLOC = "alloc"  # uninitialized allocation: nothing to redo
+    MUTATE = "mutate"  # writes into its arguments: redo
+    COMPUTE = "compute"  # fresh outputs: redo, copy into the captured outputs
+    REFRESH = "refresh"  # a view whose arguments an update changed: redo, copy
+
+
+_KINDS: dict[Any, _Kind] = {}
+
+
+def _kind_of(func: torch._ops.OpOverload) -> _Kind:
+    kind = _KINDS.get(func)
+    if kind is None:
+        if func in _ALLOC_OPS:
+            kind = _Kind.ALLOC
+        elif (
+            func.is_view
+            or torch.Tag.inplace_view in func.tags
+            or func._schema.name.split("::")[-1] in _METADATA_OPS
+        ):
+            kind = _Kind.VIEW
+        elif func._schema.is_mutable:
+            kind = _Kind.MUTATE
+        else:
+            kind = _Kind.COMPUTE
+        _KINDS[func] = kind
+    return kind
+
+
+@dataclass
+class _Op:
+    func: Any
+    args: tuple
+    kwargs: dict
+    outputs: Any
+    kind: _Kind
+
+
+def _check_no_host_values(func: Any, outputs: Any) -> None:
+    for leaf in tree_leaves(outputs):
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
+            raise GraphCaptureError(
+                f"{func} returned a host value ({type(leaf).__name__}) during capture; a device "
+                "graph cannot feed tensor values back to the host (as .item(), .tolist() or "
+                "a tensor-valued condition would): compute it before the capture"
+            )
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _backend_keys(args: tuple, kwargs: dict) -> Any:
+    below_python = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return torch._C._dispatch_keys(leaf) & below_python
+    return None
+
+
+class HostGraph:
+    """A recorded stream of aten ops on CPU tensors; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.ops: list[_Op] = []
+        self.groups: list[tuple[int, int]] = []
+        self.captured = False
+        self._lock = threading.Lock()
+
+    def append(self, op: _Op) -> None:
+        with self._lock:
+            self.ops.append(op)
+
+    def reset(self) -> None:
+        """Drop everything recorded; the graph can be captured again."""
+        self.ops, self.groups, self.captured = [], [], False
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors this graph allocated at capture (its private memory)."""
+        storages = {}
+        for op in self.ops:
+            if op.kind in (_Kind.COMPUTE, _Kind.ALLOC):
+                for leaf in tree_leaves(op.outputs):
+                    if isinstance(leaf, torch.Tensor):
+                        storage = leaf.untyped_storage()
+                        storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def replay(self) -> None:
+        if not self.captured:
+            raise GraphReplayError("this host graph has not been captured (or its capture failed)")
+        for op in self.ops:
+            if op.kind is _Kind.VIEW or op.kind is _Kind.ALLOC:
+                continue
+            result = op.func(*op.args, **op.kwargs)
+            if op.kind is _Kind.MUTATE:
+                continue
+            if result is op.outputs:
+                continue
+            for captured, fresh in zip(tree_leaves(op.outputs), tree_leaves(result)):
+                if captured is not fresh and captured is not None:
+                    captured.copy_(fresh)
+
+    def stage_update(self, index: int, issue: Callable[[], object]) -> _GroupUpdate:
+        """Re-issue task group ``index`` through ``issue``; ``commit()`` the result to apply it."""
+        start, end = self.groups[index]
+        update = _GroupUpdate(self, index, start, end)
+        with _Recorder(self, update):
+            issue()
+        update.check_complete()
+        return update
+
+
+class _GroupUpdate:
+    """Stages the records of one task-group update; commits only if it matches the capture."""
+
+    def __init__(self, graph: HostGraph, index: int, start: int, end: int) -> None:
+        self.graph, self.index, self.start, self.end = graph, index, start, end
+        self.staged: list[_Op] = []
+
+    def issue(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        position = len(self.staged)
+        if self.start + position >= self.end:
+            raise TaskUpdateError(
+                f"task group {self.index}: the update issued more ops than the "
+                f"{self.end - self.start} captured (extra op: {func})"
+            )
+        old = self.graph.ops[self.start + position]
+        if old.func is not func:
+            raise TaskUpdateError(
+                f"task group {self.index}, op {position}: captured {old.func}, "
+                f"the update issued {func}; an update must issue the same ops"
+            )
+        if old.kind is not _Kind.VIEW and old.kind is not _Kind.REFRESH:
+            self.staged.append(_Op(func, args, kwargs, old.outputs, old.kind))
+            return old.outputs
+        # A view: metadata only, nothing is computed. The fresh view is handed on (autograd
+        # cannot re-wrap the captured one) and aliases the same memory when unchanged.
+        fresh = func(*args, **kwargs)
+        self.staged.append(self._restage_view(old, func, args, kwargs, fresh))
+        return fresh
+
+    def _restage_view(self, old: _Op, func: Any, args: tuple, kwargs: dict, fresh: Any) -> _Op:
+        pairs = list(zip(tree_leaves(old.outputs), tree_leaves(fresh)))
+        if all(_same_geometry(a, b) for a, b in pairs):
+            return _Op(func, args, kwargs, old.outputs, _Kind.VIEW)
+        for captured, new in pairs:
+            if captured.shape != new.shape or captured.dtype != new.dtype:
+                raise TaskUpdateError(
+                    f"task group {self.index}: {func} now gives shape {tuple(new.shape)} "
+                    f"where the capture gave {tuple(captured.shape)}; shapes are fixed per graph"
+                )
+            if captured.untyped_storage().data_ptr() == new.untyped_storage().data_ptr():
+                raise TaskUpdateError(
+                    f"task group {self.index}: {func} now views its base differently; pass "
+                    "step state to the op as host arguments, not as views of graph tensors"
+                )
+        return _Op(func, args, kwargs, old.outputs, _Kind.REFRESH)
+
+    def check_complete(self) -> None:
+        if self.start + len(self.staged) != self.end:
+            raise TaskUpdateError(
+                f"task group {self.index}: the update issued {len(self.staged)} ops, "
+                f"the capture recorded {self.end - self.start}"
+            )
+
+    def commit(self) -> None:
+        self.graph.ops[self.start : self.end] = self.staged
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: HostGraph, update: _GroupUpdate | None = None) -> None:
+        super().__init__()
+        self._graph = graph
+        self._update = update
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace not in _NATIVE_NAMESPACES:
+            return self._record_below(func, args, kwargs)
+        if self._update is not None:
+            return self._update.issue(func, args, kwargs)
+        outputs = func(*args, **kwargs)
+        _check_no_host_values(func, outputs)
+        self._graph.append(_Op(func, args, kwargs, outputs, _kind_of(func)))
+        return outputs
+
+    def _record_below(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        keys = _backend_keys(args, kwargs)
+        if keys is None:
+            raise GraphCaptureError(f"{func} takes no tensor; the host graph cannot record it")
+        with self:
+            return func.redispatch(keys, *args, **kwargs)
+
+
+_ACTIVE_LOCK = threading.Lock()
+_ACTIVE: HostGraph | None = None
+
+
+class HostStream:
+    """A stream stand-in: host graphs run in issue order, so ordering calls do nothing."""
+
+    def wait_event(self, event: HostEvent) -> None:
+        pass
+
+    def wait_stream(self, stream: HostStream) -> None:
+        pass
+
+    def record_event(self, event: HostEvent | None = None) -> HostEvent:
+        return event if event is not None else HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class HostEvent:
+    """An event stand-in that counts its records (work is done when it is issued)."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def record(self, stream: HostStream | None = None) -> None:
+        self.records += 1
+
+    def wait(self, stream: HostStream | None = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class HostTaskHandle:
+    """Identifies one task group of one host graph."""
+
+    graph: HostGraph
+    index: int
+
+
+class HostGraphBackend(GraphBackend):
+    """Graphs of CPU tensor work; lets CI test everything built on graphs without a device."""
+
+    name = "host"
+    device_type = "cpu"
+    supports_task_update = True
+    weak_ref_outputs = False  # CPU memory has no graph pool to hand out views of
+    capture_executes = True
+
+    def __init__(self) -> None:
+        self._graphs: weakref.WeakSet[HostGraph] = weakref.WeakSet()
+        self._stream = HostStream()
+
+    def new_graph(self) -> HostGraph:
+        graph = HostGraph()
+        self._graphs.add(graph)
+        return graph
+
+    def new_pool(self) -> object:
+        return object()
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[None]:
+        global _ACTIVE
+        if not isinstance(graph, HostGraph):
+            raise TypeError(f"expected a HostGraph, got {type(graph).__name__}")
+        if graph.captured:
+            raise GraphCaptureError("this host graph is already captured; reset() it first")
+        with _ACTIVE_LOCK:
+            if _ACTIVE is not None:
+                raise GraphCaptureError("another host graph capture is under way")
+            _ACTIVE = graph
+        try:
+            with _Recorder(graph):
+                yield
+        except BaseException:
+            graph.reset()
+            raise
+        else:
+            graph.captured = True
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE = None
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def is_capturing(self) -> bool:
+        return _ACTIVE is not None
+
+    @contextlib.contextmanager
+    def join_capture(self) -> Iterator[None]:
+        graph = _ACTIVE
+        if graph is None:
+            yield
+            return
+        with _Recorder(graph):
+            yield
+
+    def new_stream(self) -> HostStream:
+        return HostStream()
+
+    def current_stream(self) -> HostStream:
+        return self._stream
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(stream)
+
+    def new_event(self) -> HostEvent:
+        return HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def task_group_begin(self, graph: Any, stream: Any) -> int:
+        if graph is not _ACTIVE:
+            raise GraphCaptureError("task_group_begin outside the capture of this graph")
+        return graph.num_ops
+
+    def task_group_end(self, graph: Any, stream: Any, token: Any) -> HostTaskHandle:
+        if graph is not _ACTIVE:
+            raise GraphCaptureError("task_group_end outside the capture of this graph")
+        graph.groups.append((token, graph.num_ops))
+        return HostTaskHandle(graph, len(graph.groups) - 1)
+
+    def update_tasks(self, graph: Any, updates: Sequence[TaskUpdate]) -> None:
+        if _ACTIVE is not None:
+            raise GraphCaptureError("task update while a capture is under way")
+        staged = [graph.stage_update(h.index, issue) for h, issue in updates if issue is not None]
+        for update in staged:  # all or nothing
+            update.commit()
+
+    def memory_in_use(self) -> int:
+        return sum(graph.nbytes() for graph in list(self._graphs) if graph.captured)
+
+    def allocate_static(self, like: torch.Tensor) -> torch.Tensor:
+        with _disable_current_modes():
+            return like.clone()

@@ -1,0 +1,389 @@
+"""Updatable tasks: ops captured into a graph whose step arguments change every step.
+
+A task is ``fn(*args, **kwargs, **derive(step))``: ``args``/``kwargs`` are static
+(weights, KV cache, output buffers), ``derive(step)`` gives the step arguments
+(sequence lengths, block tables ...) from one step object shared by every task of the
+step. Inside a capture the call is recorded under the graph's key; outside one it just
+runs. Once per step, before replay, ``registry.update(key, step)`` brings every task of
+that key's graphs to the new step:
+
+* host values (ints, lists, host tensors) are re-issued through the backend's task
+  update (NPU task groups; host graphs). CUDA graphs cannot do that: a task meant for
+  CUDA takes its step state as device tensors only.
+* device tensors live in fixed buffers allocated at capture; the update copies the new
+  values into them (tasks handed the same tensor share one buffer and one copy).
+
+Nothing is re-issued when the step equals the last one applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import torch
+
+from npu_graphs.backends.base import GraphBackend
+from npu_graphs.errors import GraphCaptureError, TaskUpdateError
+from npu_graphs.session import CaptureSession, active_session
+
+Derive = Callable[[Any], Mapping[str, Any]]
+
+
+@dataclasses.dataclass
+class UpdatableTask:
+    """One captured task: the op, its static arguments, and how its step arguments are fed."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict[str, Any]
+    derive: Derive | None
+    handle: Any  # backend task-group handle; None when the task has no host step values
+    host_names: tuple[str, ...]
+    buffers: dict[str, torch.Tensor]
+    captured_host: dict[str, Any]  # frozen host values, checked where they cannot change
+
+    def step_kwargs(self, step: Any) -> Mapping[str, Any]:
+        return _derive(self.derive, step)
+
+    def issue(self, host_values: Mapping[str, Any]) -> Callable[[], object]:
+        """A callable that re-issues the op with ``host_values`` and the fixed buffers."""
+        return lambda: self.fn(*self.args, **self.kwargs, **host_values, **self.buffers)
+
+
+@dataclasses.dataclass
+class _GraphTasks:
+    """The tasks of one captured graph and the step last applied to them."""
+
+    backend: GraphBackend
+    graph: Any
+    tasks: list[UpdatableTask]
+    pending_fills: list[tuple[torch.Tensor, torch.Tensor]]
+    last_step: Any = None
+    armed: bool = False
+    capture_step: Any = None  # the step object every task was captured with, if one
+
+
+_NEVER_EQUAL = object()
+
+
+class TaskRegistry:
+    """A set of updatable tasks per graph key, for one model (main or draft, say).
+
+    Args:
+        name: used in error messages.
+        expected_tasks: if given, each captured graph must record exactly this many
+            tasks in this registry (e.g. one per attention layer), else the capture fails.
+    """
+
+    def __init__(self, name: str = "tasks", *, expected_tasks: int | None = None) -> None:
+        if expected_tasks is not None and (
+            not isinstance(expected_tasks, int) or expected_tasks < 0
+        ):
+            raise ValueError(f"expected_tasks must be an int >= 0 or None, got {expected_tasks!r}")
+        self.name = name
+        self.expected_tasks = expected_tasks
+        self._graphs: dict[Hashable, list[_GraphTasks]] = {}
+        self._capturing: dict[int, tuple[Hashable, _GraphTasks]] = {}
+
+    # -- recording ------------------------------------------------------------------
+    def call(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        step: Any,
+        derive: Derive | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs, **derive(step))``; inside a capture, record it as a task.
+
+        ``derive`` (default: ``step`` itself, which must then be a Mapping) must be cheap:
+        it runs once per task per changed step.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        session = active_session()
+        if session is None:
+            return fn(*args, **kwargs, **_derive(derive, step))
+        return self._record(session, fn, args, kwargs, step, derive)
+
+    def _record(
+        self,
+        session: CaptureSession,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        step: Any,
+        derive: Derive | None,
+    ) -> Any:
+        if session.in_task:
+            raise GraphCaptureError(f"{self.name}: updatable tasks cannot nest")
+        backend = session.backend
+        step_kwargs = _derive(derive, step)
+        overlap = step_kwargs.keys() & kwargs.keys()
+        if overlap:
+            raise TypeError(
+                f"{self.name}: {sorted(overlap)} given both as static and step arguments"
+            )
+        host = {k: v for k, v in step_kwargs.items() if not backend.is_device_tensor(v)}
+        buffers = {
+            k: session.buffer_for(v) for k, v in step_kwargs.items() if backend.is_device_tensor(v)
+        }
+        grouped = bool(host) and backend.supports_task_update
+        session.in_task = True
+        try:
+            token = backend.task_group_begin(session.graph, session.stream) if grouped else None
+            result = fn(*args, **kwargs, **host, **buffers)
+            handle = (
+                backend.task_group_end(session.graph, session.stream, token) if grouped else None
+            )
+        finally:
+            session.in_task = False
+        captured_host = {} if grouped else {k: _freeze(v) for k, v in host.items()}
+        task = UpdatableTask(
+            fn, args, dict(kwargs), derive, handle, tuple(host), buffers, captured_host
+        )
+        graph_tasks = self._pending_graph(session)
+        if not graph_tasks.tasks:
+            graph_tasks.capture_step = step
+        elif graph_tasks.capture_step is not step:
+            graph_tasks.capture_step = _NEVER_EQUAL
+        graph_tasks.tasks.append(task)
+        return result
+
+    def _pending_graph(self, session: CaptureSession) -> _GraphTasks:
+        entry = self._capturing.get(id(session))
+        if entry is None:
+            session.join(self)
+            graph_tasks = _GraphTasks(session.backend, session.graph, [], [])
+            entry = self._capturing[id(session)] = (session.key, graph_tasks)
+        return entry[1]
+
+    # -- commit / discard (called by the capturing wrapper) ----------------------------
+    def commit_capture(self, session: CaptureSession) -> None:
+        """Register what ``session`` recorded here; raises if the task count is wrong."""
+        key, graph_tasks = self._capturing.pop(id(session), (session.key, None))
+        count = len(graph_tasks.tasks) if graph_tasks else 0
+        if self.expected_tasks is not None and count != self.expected_tasks:
+            raise GraphCaptureError(
+                f"{self.name}: capture of {session.describe()} recorded {count} tasks, "
+                f"expected {self.expected_tasks}"
+            )
+        if graph_tasks is None:
+            return
+        graph_tasks.pending_fills = [
+            pair for pair in session.buffers.values() if _uses_buffer(graph_tasks, pair[1])
+        ]
+        step = graph_tasks.capture_step
+        graph_tasks.last_step = _NEVER_EQUAL if step is _NEVER_EQUAL else _freeze(step)
+        self._graphs.setdefault(key, []).append(graph_tasks)
+
+    def abort_capture(self, session: CaptureSession) -> None:
+        """Forget whatever ``session`` recorded here."""
+        self._capturing.pop(id(session), None)
+
+    def discard(self, key: Hashable, graph: Any = None) -> None:
+        """Forget the tasks of ``key`` (of one ``graph`` only, if given)."""
+        kept = [g for g in self._graphs.get(key, []) if graph is not None and g.graph is not graph]
+        if kept:
+            self._graphs[key] = kept
+        else:
+            self._graphs.pop(key, None)
+
+    # -- per step -------------------------------------------------------------------
+    def update(self, key: Hashable, step: Any) -> bool:
+        """Bring every task captured under ``key`` to ``step``; call once per step before replay.
+
+        Returns True if tasks were re-issued, False if ``step`` equals the last step
+        applied (then nothing is re-issued; the tasks are only released for replay).
+
+        Raises:
+            GraphCaptureError: called while a capture is under way.
+            ValueError: no graph was captured under ``key`` in this registry.
+            TaskUpdateError: a step value does not fit what was captured.
+        """
+        session = active_session()
+        if session is not None:
+            raise GraphCaptureError(
+                f"{self.name}: update({key!r}) during the capture of {session.describe()}"
+            )
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            raise ValueError(
+                f"{self.name}: no graph captured for key {key!r}; captured keys: "
+                f"{sorted(map(repr, self._graphs))}"
+            )
+        frozen = _freeze(step)
+        changed = False
+        for graph_tasks in graphs:
+            changed |= self._update_graph(graph_tasks, step, frozen)
+        return changed
+
+    def _update_graph(self, graph_tasks: _GraphTasks, step: Any, frozen: Any) -> bool:
+        _fill(graph_tasks)
+        if _equal(frozen, graph_tasks.last_step):
+            self._release(graph_tasks)
+            return False
+        copied: set[int] = set()
+        updates = []
+        for index, task in enumerate(graph_tasks.tasks):
+            step_kwargs = task.step_kwargs(step)
+            self._copy_buffers(index, task, step_kwargs, copied)
+            host = {name: step_kwargs[name] for name in task.host_names}
+            if task.handle is not None:
+                updates.append((task.handle, task.issue(host)))
+            else:
+                self._check_baked(index, task, host)
+        if updates:
+            graph_tasks.backend.update_tasks(graph_tasks.graph, updates)
+        graph_tasks.last_step = frozen
+        graph_tasks.armed = True
+        return True
+
+    def _copy_buffers(
+        self, index: int, task: UpdatableTask, step_kwargs: Mapping[str, Any], copied: set[int]
+    ) -> None:
+        for name, buffer in task.buffers.items():
+            if id(buffer) in copied:
+                continue
+            value = step_kwargs.get(name)
+            if not isinstance(value, torch.Tensor) or value.shape != buffer.shape:
+                got = (
+                    tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                )
+                raise TaskUpdateError(
+                    f"{self.name}: task {index} step argument {name!r} must be a tensor of shape "
+                    f"{tuple(buffer.shape)} (its fixed buffer), got {got}"
+                )
+            buffer.copy_(value, non_blocking=True)
+            copied.add(id(buffer))
+
+    def _check_baked(self, index: int, task: UpdatableTask, host: Mapping[str, Any]) -> None:
+        for name, value in host.items():
+            if not _equal(_freeze(value), task.captured_host[name]):
+                raise TaskUpdateError(
+                    f"{self.name}: task {index} step argument {name!r} is a host value baked "
+                    "into the graph, and this backend cannot update it; pass it as a device "
+                    "tensor (kept in a fixed buffer)"
+                )
+
+    def _release(self, graph_tasks: _GraphTasks) -> None:
+        if graph_tasks.armed:
+            return
+        handles = [(t.handle, None) for t in graph_tasks.tasks if t.handle is not None]
+        if handles:
+            graph_tasks.backend.update_tasks(graph_tasks.graph, handles)
+        graph_tasks.armed = True
+
+    # -- replay hooks (called by the wrapper around each replay) -------------------------
+    def prepare_replay(self, key: Hashable, graph: Any) -> None:
+        """Make the tasks of ``graph`` ready: pending buffer fills, release if not updated."""
+        for graph_tasks in self._graphs.get(key, ()):
+            if graph_tasks.graph is graph:
+                _fill(graph_tasks)
+                self._release(graph_tasks)
+
+    def finish_replay(self, key: Hashable, graph: Any) -> None:
+        """Mark the tasks of ``graph`` as consumed by a replay."""
+        for graph_tasks in self._graphs.get(key, ()):
+            if graph_tasks.graph is graph:
+                graph_tasks.armed = False
+
+    # -- introspection ----------------------------------------------------------------
+    def keys(self) -> list[Hashable]:
+        """Keys with captured tasks."""
+        return list(self._graphs)
+
+    def tasks(self, key: Hashable) -> list[UpdatableTask]:
+        """All tasks captured under ``key`` (over every graph of that key)."""
+        return [t for g in self._graphs.get(key, ()) for t in g.tasks]
+
+    def num_tasks(self, key: Hashable) -> int:
+        return len(self.tasks(key))
+
+    def __repr__(self) -> str:
+        return f"TaskRegistry({self.name!r}, keys={len(self._graphs)})"
+
+
+def call_task(
+    fn: Callable[..., Any], *args: Any, step: Any, derive: Derive | None = None, **kwargs: Any
+) -> Any:
+    """Run ``fn`` as an updatable task of the registry of the capture under way.
+
+    Outside a capture this just runs ``fn(*args, **kwargs, **derive(step))``. Inside
+    one, the task goes to the capturing wrapper's registry (its ``tasks`` argument).
+
+    Raises:
+        GraphCaptureError: inside a capture whose wrapper has no registry (the step
+            arguments would be baked in silently).
+    """
+    session = active_session()
+    if session is None:
+        return fn(*args, **kwargs, **_derive(derive, step))
+    if session.default_registry is None:
+        raise GraphCaptureError(
+            f"call_task inside the capture of {session.describe()}, whose wrapper has no "
+            "TaskRegistry: its step arguments would be baked into the graph"
+        )
+    return session.default_registry.call(fn, *args, step=step, derive=derive, **kwargs)
+
+
+def _derive(derive: Derive | None, step: Any) -> Mapping[str, Any]:
+    step_kwargs = step if derive is None else derive(step)
+    if not isinstance(step_kwargs, Mapping):
+        source = "step" if derive is None else "derive(step)"
+        raise TypeError(
+            f"{source} must be a Mapping of step keyword arguments, got {type(step_kwargs).__name__}"
+        )
+    return step_kwargs
+
+
+def _uses_buffer(graph_tasks: _GraphTasks, buffer: torch.Tensor) -> bool:
+    return any(b is buffer for t in graph_tasks.tasks for b in t.buffers.values())
+
+
+def _fill(graph_tasks: _GraphTasks) -> None:
+    for value, buffer in graph_tasks.pending_fills:
+        buffer.copy_(value, non_blocking=True)
+    graph_tasks.pending_fills = []
+
+
+class _Unequal:
+    """A frozen value equal to nothing (device tensors: comparing them would sync)."""
+
+    __slots__ = ()
+
+
+def _freeze(value: Any) -> Any:
+    """An immutable snapshot of a step value, for ``_equal`` (lists copied, tensors cloned)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone() if value.device.type == "cpu" else _Unequal()
+    if isinstance(value, Mapping):
+        return ("mapping", tuple((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_freeze(v) for v in value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return (type(value), tuple(_freeze(getattr(value, f.name)) for f in fields))
+    if hasattr(value, "__array__") and hasattr(value, "dtype"):
+        return ("array", str(value.dtype), tuple(value.shape), value.tobytes())
+    return value
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, _Unequal) or isinstance(b, _Unequal):
+        return False
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if type(a) is not type(b):
+        return False
+    return bool(a == b)
