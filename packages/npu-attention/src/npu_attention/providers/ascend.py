@@ -22,7 +22,7 @@ Operators, one per job:
   same mask; non-causal attention over a cache uses ``sparse_mode=0`` without a
   mask. The ``.out`` form writes into the caller's ``out`` so that a graph task
   update re-issues the op into the same buffer; its workspace comes from
-  ``_npu_fused_infer_attention_score_get_max_workspace`` once per step.
+  ``_npu_fused_infer_attention_score_get_max_workspace`` once per call shape.
 - Attention without a cache (encoder, or a prefill run before caches exist):
   ``torch_npu.npu_fusion_attention`` in ``TND`` layout with cumulative
   ``actual_seq_qlen`` / ``actual_seq_kvlen``; a training op, not graph-capturable.
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -77,8 +77,7 @@ def torch_npu_module() -> ModuleType:
 class AscendStepData:
     """Per-step arguments of the torch_npu calls, built once by ``prepare``.
 
-    Host lists are what the fused ops take as ``SymInt[]``; ``workspace`` and
-    ``softmax_lse`` are filled by the first layer of the step and reused.
+    Host lists are what the fused ops take as ``SymInt[]``.
     """
 
     num_actual_tokens: int
@@ -90,8 +89,6 @@ class AscendStepData:
     atten_mask: torch.Tensor | None  # bool [2048, 2048], shared
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # [num_actual_tokens]
-    workspace: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
-    softmax_lse: torch.Tensor | None = None  # float32 [1] (lse not requested)
 
 
 class AscendProvider(AttentionProvider):
@@ -109,6 +106,10 @@ class AscendProvider(AttentionProvider):
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
+        # Workspace of the fused op per call shape, and its unused lse output per
+        # device: allocated on first use, so a graph task update re-issues one op.
+        self._workspaces: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._lse: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def is_available(cls) -> bool:
@@ -219,15 +220,16 @@ class AscendProvider(AttentionProvider):
         q = query[:n].contiguous()
         k = key_cache.view(num_blocks, block_size, -1)
         v = value_cache.view(num_blocks, block_size, -1)
-        workspace_key = (tuple(q.shape), tuple(k.shape), q.dtype)
-        workspace = data.workspace.get(workspace_key)
+        shape_key = (q.shape, k.shape, data.block_table.shape, q.dtype, q.device, spec)
+        workspace = self._workspaces.get(shape_key)
         if workspace is None:
             workspace = npu._npu_fused_infer_attention_score_get_max_workspace(q, k, v, **kwargs)
-            data.workspace[workspace_key] = workspace
-        if data.softmax_lse is None:
-            data.softmax_lse = torch.empty(1, dtype=torch.float32, device=query.device)
+            self._workspaces[shape_key] = workspace
+        lse = self._lse.get(q.device)
+        if lse is None:
+            lse = self._lse[q.device] = torch.empty(1, dtype=torch.float32, device=q.device)
         npu.npu_fused_infer_attention_score.out(
-            q, k, v, **kwargs, workspace=workspace, out=[out[:n], data.softmax_lse]
+            q, k, v, **kwargs, workspace=workspace, out=[out[:n], lse]
         )
 
     def _attend_no_cache(
