@@ -1,9 +1,11 @@
 """Paged-KV attention for LLM inference: ``plan`` once per step, ``run`` once per layer."""
 
 from npu_attention._version import __version__
-from npu_attention.plan import AttentionPlan
+from npu_attention.buffers import PlanBuffers
+from npu_attention.plan import AttentionPlan, plan
 from npu_attention.providers.base import AttentionProvider
 from npu_attention.providers.registry import available_providers, get_provider, register_provider
+from npu_attention.run import run
 from npu_attention.spec import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_SIZES,
@@ -18,8 +20,11 @@ __all__ = [
     "AttentionProvider",
     "AttentionSpec",
     "BatchState",
+    "PlanBuffers",
     "__version__",
     "available_providers",
     "get_provider",
+    "plan",
     "register_provider",
+    "run",
 ]

@@ -1,7 +1,6 @@
 """Per-step planning: batch description in, ``AttentionPlan`` out.
 
-CONTRACT (shared by every provider and by npu-vllm-bridge; the implementation of
-``plan`` is filled in by the attention work, the fields below are fixed):
+CONTRACT (shared by every provider and by npu-vllm-bridge):
 
 ``plan(cu_seqlens_q, seq_lens, block_tables, slot_mapping, num_decodes, spec, *,
        device=None, provider=None, buffers=None, num_blocks=None) -> AttentionPlan``
@@ -24,17 +23,28 @@ CONTRACT (shared by every provider and by npu-vllm-bridge; the implementation of
 
 from __future__ import annotations
 
-
-
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
+from npu_attention import _inputs
+from npu_attention.providers.registry import get_provider
 from npu_attention.spec import AttentionSpec, BatchState
 
 if TYPE_CHECKING:
+    from npu_attention.buffers import PlanBuffers
     from npu_attention.providers.base import AttentionProvider
+
+
+class HostArrays(NamedTuple):
+    """The step's host metadata as int64 numpy arrays (what ``prepare`` vectorizes over)."""
+
+    cu_seqlens_q: np.ndarray  # [num_reqs + 1]
+    query_lens: np.ndarray  # [num_reqs]
+    seq_lens: np.ndarray  # [num_reqs]
+    context_lens: np.ndarray  # [num_reqs]
 
 
 @dataclass
@@ -67,6 +77,11 @@ class AttentionPlan:
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_slots], -1 = padding
     provider_data: Any = field(default=None, repr=False)
+    # additions to the contract (all derived from the fields above)
+    context_lens_host: list[int] = field(default_factory=list)  # [num_reqs]
+    max_context_len: int = 0
+    host_arrays: HostArrays | None = field(default=None, repr=False)
+    buffers: PlanBuffers | None = field(default=None, repr=False)
 
     @property
     def actual_seq_lengths_q(self) -> list[int]:
@@ -76,3 +91,116 @@ class AttentionPlan:
     @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_actual_tokens - self.num_decode_tokens
+
+    @property
+    def has_context(self) -> bool:
+        """Whether any request reads keys it did not bring in this step."""
+        return self.max_context_len > 0
+
+
+def plan(
+    cu_seqlens_q: Any,
+    seq_lens: Any,
+    block_tables: Any,
+    slot_mapping: Any,
+    num_decodes: int,
+    spec: AttentionSpec,
+    *,
+    device: torch.device | str | None = None,
+    provider: str | None = None,
+    buffers: PlanBuffers | None = None,
+    num_blocks: int | None = None,
+) -> AttentionPlan:
+    """Turn one step's batch description into an ``AttentionPlan`` (see the module doc).
+
+    All checks run before anything is written (buffers included), so a failed
+    call leaves no partial state behind.
+
+    Raises:
+        TypeError: non-integer metadata or a ``spec`` that is not an ``AttentionSpec``.
+        ValueError: inconsistent lengths or offsets, a sequence longer than its
+            block table, out-of-range block ids or slots, a device that is not
+            available, an unknown provider or one that does not run on ``device``,
+            or a batch larger than ``buffers``.
+    """
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+    host = _host_arrays(cu_seqlens_q, seq_lens)
+    num_decodes = _inputs.check_decodes(num_decodes, host.query_lens, spec)
+    tables = _inputs.as_int_tensor(block_tables, "block_tables", ndim=2)
+    slots = _inputs.as_int_tensor(slot_mapping, "slot_mapping", ndim=1)
+    device = _inputs.resolve_device(device, tables)
+    _inputs.check_block_tables(tables, host.seq_lens, spec.block_size, num_blocks)
+    _inputs.check_slot_mapping(slots, int(host.cu_seqlens_q[-1]), spec.block_size, num_blocks)
+    chosen = get_provider(provider, device)
+    if buffers is None:
+        cu_t, seq_t, ctx_t, tables_t, slots_t = _to_device(host, tables, slots, device)
+    else:
+        cu_t, seq_t, ctx_t, tables_t, slots_t = buffers.load(host, tables, slots, device, spec)
+    result = AttentionPlan(
+        spec=spec,
+        state=classify(host.query_lens, host.context_lens, num_decodes),
+        provider=chosen,
+        device=device,
+        num_reqs=len(host.seq_lens),
+        num_decodes=num_decodes,
+        num_decode_tokens=int(host.cu_seqlens_q[num_decodes]),
+        num_actual_tokens=int(host.cu_seqlens_q[-1]),
+        max_query_len=int(host.query_lens.max(initial=0)),
+        max_seq_len=int(host.seq_lens.max(initial=0)),
+        cu_seqlens_q_host=host.cu_seqlens_q.tolist(),
+        query_lens_host=host.query_lens.tolist(),
+        seq_lens_host=host.seq_lens.tolist(),
+        cu_seqlens_q=cu_t,
+        seq_lens=seq_t,
+        context_lens=ctx_t,
+        block_tables=tables_t,
+        slot_mapping=slots_t,
+        context_lens_host=host.context_lens.tolist(),
+        max_context_len=int(host.context_lens.max(initial=0)),
+        host_arrays=host,
+        buffers=buffers,
+    )
+    result.provider_data = chosen.prepare(result)
+    return result
+
+
+def classify(query_lens: np.ndarray, context_lens: np.ndarray, num_decodes: int) -> BatchState:
+    """The ``BatchState`` of a batch whose first ``num_decodes`` requests are decodes."""
+    num_reqs = len(query_lens)
+    if num_decodes == num_reqs:
+        return BatchState.SPEC_DECODING if query_lens.max(initial=0) > 1 else BatchState.DECODE_ONLY
+    if num_decodes > 0:
+        return BatchState.CHUNKED_PREFILL
+    if context_lens.any():
+        return BatchState.PREFILL_CACHE_HIT
+    return BatchState.PREFILL_NO_CACHE
+
+
+def _host_arrays(cu_seqlens_q: Any, seq_lens: Any) -> HostArrays:
+    cu = _inputs.as_host_array(cu_seqlens_q, "cu_seqlens_q")
+    seq = _inputs.as_host_array(seq_lens, "seq_lens")
+    _inputs.check_cu_seqlens(cu, seq)
+    query_lens = np.diff(cu)
+    context_lens = seq - query_lens
+    _inputs.check_seq_lens(seq, query_lens, context_lens)
+    return HostArrays(cu, query_lens, seq, context_lens)
+
+
+def _to_device(
+    host: HostArrays, tables: torch.Tensor, slots: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """One host-to-device copy for the per-request metadata, views into it."""
+    num_reqs = len(host.seq_lens)
+    packed = np.concatenate([host.cu_seqlens_q, host.seq_lens, host.context_lens])
+    meta = torch.from_numpy(packed.astype(np.int32)).to(device)
+    cu_t = meta[: num_reqs + 1]
+    seq_t = meta[num_reqs + 1 : 2 * num_reqs + 1]
+    ctx_t = meta[2 * num_reqs + 1 :]
+    tables_t = tables.to(device=device, dtype=torch.int32)
+    slots_t = slots.to(device=device, dtype=torch.int64)
+    return cu_t, seq_t, ctx_t, tables_t, slots_t

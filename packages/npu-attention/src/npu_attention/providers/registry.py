@@ -36,7 +36,9 @@ def available_providers() -> tuple[str, ...]:
     return tuple(_LAZY_PROVIDERS)
 
 
-def get_provider(name: str | None = None, device: torch.device | str | None = None) -> AttentionProvider:
+def get_provider(
+    name: str | None = None, device: torch.device | str | None = None
+) -> AttentionProvider:
     """Return the provider called ``name``, or the preferred one for ``device``.
 
     Raises:
@@ -59,7 +61,11 @@ def get_provider(name: str | None = None, device: torch.device | str | None = No
 def _provider_for_device(device: torch.device) -> AttentionProvider:
     candidates = _DEVICE_PREFERENCE.get(device.type, ())
     for name in candidates:
-        if _provider_class(name).is_available():
+        try:
+            cls = _provider_class(name)
+        except ImportError:  # its optional dependency (triton, torch_npu) is missing
+            continue
+        if cls.is_available():
             return _instantiate(name)
     raise ValueError(
         f"no attention provider for device type {device.type!r}; "

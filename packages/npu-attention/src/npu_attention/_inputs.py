@@ -1,0 +1,159 @@
+"""Conversion and validation of ``plan`` inputs (host side, vectorized)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from npu_attention.spec import AttentionSpec
+
+
+def as_host_array(values: Any, name: str) -> np.ndarray:
+    """A 1-D int64 numpy array from a CPU tensor, numpy array or sequence of ints."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be on the host (cpu), got a tensor on {values.device}")
+        _check_integer_dtype(values.dtype, name)
+        array = values.numpy()
+    else:
+        array = np.asarray(values)
+        if array.size == 0 and array.dtype.kind == "f":
+            array = array.astype(np.int64)
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(array.shape)}")
+    return array.astype(np.int64, copy=False)
+
+
+def as_int_tensor(values: Any, name: str, ndim: int) -> torch.Tensor:
+    """An integer tensor (any device) of ``ndim`` dims from a tensor, array or list."""
+    if not isinstance(values, torch.Tensor):
+        array = np.asarray(values)
+        if array.size == 0 and array.dtype.kind == "f":
+            array = array.astype(np.int64)
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
+        if array.size == 0 and ndim == 2 and array.ndim == 1:
+            array = array.reshape(0, 0)
+        values = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    _check_integer_dtype(values.dtype, name)
+    if values.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(values.shape)}")
+    return values
+
+
+def check_cu_seqlens(cu: np.ndarray, seq_lens: np.ndarray) -> None:
+    if len(cu) != len(seq_lens) + 1:
+        raise ValueError(
+            f"cu_seqlens_q must have len(seq_lens) + 1 = {len(seq_lens) + 1} entries, got {len(cu)}"
+        )
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens_q must start at 0, got {int(cu[0])}")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise ValueError(
+            f"cu_seqlens_q must be non-decreasing, got cu_seqlens_q[{i}]={int(cu[i])} > "
+            f"cu_seqlens_q[{i + 1}]={int(cu[i + 1])}"
+        )
+
+
+def check_seq_lens(seq_lens: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray) -> None:
+    if (context_lens < 0).any():
+        i = int(np.argmax(context_lens < 0))
+        raise ValueError(
+            f"seq_lens[{i}] must be at least the request's query length {int(query_lens[i])}, "
+            f"got {int(seq_lens[i])}"
+        )
+    if seq_lens.size and seq_lens.max() >= 2**31:
+        raise ValueError(f"seq_lens must fit in int32, got {int(seq_lens.max())}")
+
+
+def check_decodes(num_decodes: Any, query_lens: np.ndarray, spec: AttentionSpec) -> int:
+    """``num_decodes`` as an int; decodes bring 1 to ``1 + num_speculative_tokens`` tokens."""
+    if isinstance(num_decodes, bool) or not isinstance(num_decodes, (int, np.integer)):
+        raise TypeError(f"num_decodes must be an int, got {type(num_decodes).__name__}")
+    num_decodes = int(num_decodes)
+    if not 0 <= num_decodes <= len(query_lens):
+        raise ValueError(
+            f"num_decodes must be in [0, num_reqs={len(query_lens)}], got {num_decodes}"
+        )
+    limit = 1 + spec.num_speculative_tokens
+    decode_lens = query_lens[:num_decodes]
+    if (decode_lens > limit).any():
+        i = int(np.argmax(decode_lens > limit))
+        raise ValueError(
+            f"decode requests bring at most 1 + num_speculative_tokens = {limit} query "
+            f"tokens, got {int(decode_lens[i])} for request {i}"
+        )
+    return num_decodes
+
+
+def resolve_device(device: torch.device | str | None, tables: torch.Tensor) -> torch.device:
+    """``device`` (default: the block tables' device), checked to exist here."""
+    device = tables.device if device is None else torch.device(device)
+    if device.type == "cpu":
+        return device
+    backend = getattr(torch, device.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if is_available is None or not is_available():
+        raise ValueError(
+            f"device {str(device)!r} is not available on this machine "
+            f"(torch.{device.type}.is_available() is false or missing)"
+        )
+    if device.index is None and hasattr(backend, "current_device"):
+        device = torch.device(device.type, backend.current_device())
+    return device
+
+
+def check_block_tables(
+    tables: torch.Tensor, seq_lens: np.ndarray, block_size: int, num_blocks: int | None
+) -> None:
+    if tables.shape[0] != len(seq_lens):
+        raise ValueError(
+            f"block_tables must have one row per request ({len(seq_lens)}), "
+            f"got shape {tuple(tables.shape)}"
+        )
+    capacity = tables.shape[1] * block_size
+    if seq_lens.size and seq_lens.max() > capacity:
+        i = int(np.argmax(seq_lens))
+        raise ValueError(
+            f"seq_lens[{i}]={int(seq_lens[i])} exceeds its block table: "
+            f"{tables.shape[1]} blocks x block_size {block_size} = {capacity} tokens"
+        )
+    if num_blocks is None or tables.device.type != "cpu" or not seq_lens.size:
+        return
+    used = np.arange(tables.shape[1]) < -(-seq_lens[:, None] // block_size)
+    ids = tables.numpy()[used]
+    bad = (ids < 0) | (ids >= num_blocks)
+    if bad.any():
+        row, col = (int(x[bad.argmax()]) for x in np.nonzero(used))
+        raise ValueError(
+            f"block id must be in [0, num_blocks={num_blocks}), got "
+            f"block_tables[{row}, {col}]={int(tables[row, col])}"
+        )
+
+
+def check_slot_mapping(
+    slots: torch.Tensor, num_tokens: int, block_size: int, num_blocks: int | None
+) -> None:
+    if slots.shape[0] < num_tokens:
+        raise ValueError(
+            f"slot_mapping must cover the {num_tokens} query tokens (cu_seqlens_q[-1]), "
+            f"got {slots.shape[0]} slots"
+        )
+    if num_blocks is None or slots.device.type != "cpu" or not slots.numel():
+        return
+    top = int(slots.max())
+    if top >= num_blocks * block_size:
+        raise ValueError(
+            f"slot must be < num_blocks * block_size = {num_blocks * block_size}, got {top}"
+        )
+
+
+def _check_integer_dtype(dtype: torch.dtype, name: str) -> None:
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got dtype {dtype}")

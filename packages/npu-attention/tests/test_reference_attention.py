@@ -1,0 +1,126 @@
+"""plan + run with the reference provider against the dense float64 oracle.
+
+Every case uses randomly permuted pages with block 0 reserved, NaN in unused
+cache memory, and (where noted) padding tokens with slot -1. Tolerances per
+dtype are ``npu_attention_cases.TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from npu_attention_cases import (
+    assert_cache_written,
+    assert_close_to_oracle,
+    make_case,
+    run_case,
+)
+
+from npu_attention import AttentionSpec, BatchState
+
+# (name, query_lens, context_lens, num_decodes, num_speculative_tokens, state)
+BATCHES = [
+    ("prefill_no_cache", [5, 17, 1, 33], [0, 0, 0, 0], 0, 0, BatchState.PREFILL_NO_CACHE),
+    ("prefill_cache_hit", [7, 20, 3], [16, 0, 45], 0, 0, BatchState.PREFILL_CACHE_HIT),
+    ("decode_only", [1, 1, 1, 1, 1], [0, 15, 16, 70, 3], 5, 0, BatchState.DECODE_ONLY),
+    ("spec_decoding", [3, 3, 3], [5, 31, 64], 3, 2, BatchState.SPEC_DECODING),
+    ("chunked_prefill", [1, 1, 1, 9, 24], [40, 2, 17, 30, 0], 3, 0, BatchState.CHUNKED_PREFILL),
+    ("mixed_spec", [2, 2, 12, 5], [9, 33, 0, 21], 2, 1, BatchState.CHUNKED_PREFILL),
+]
+
+
+def _spec(**overrides: object) -> AttentionSpec:
+    base = dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32)
+    base.update(overrides)
+    return AttentionSpec(**base)
+
+
+@pytest.mark.parametrize(("name", "q", "ctx", "dec", "spec_tokens", "state"), BATCHES)
+def test_batch_states(name, q, ctx, dec, spec_tokens, state) -> None:
+    case = make_case(_spec(num_speculative_tokens=spec_tokens), q, ctx, dec, pad_tokens=3)
+    out, paged, step = run_case(case)
+    assert step.state is state
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 192, 256])
+def test_head_sizes(head_size: int) -> None:
+    case = make_case(_spec(head_size=head_size), [1, 1, 6], [20, 3, 11], 2, pad_tokens=1)
+    out, paged, _ = run_case(case)
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_dtypes_and_packed_cache_views(dtype: torch.dtype, packed: bool) -> None:
+    case = make_case(_spec(dtype=dtype, head_size=128), [1, 1, 13, 4], [37, 0, 5, 50], 2)
+    out, paged, _ = run_case(case, packed=packed)
+    if packed:
+        assert not paged.key_cache.is_contiguous()
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128])
+def test_block_sizes(block_size: int) -> None:
+    case = make_case(_spec(block_size=block_size), [1, 1, 10, 30], [130, 0, 129, 5], 2)
+    out, paged, _ = run_case(case, seed=block_size)
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+def test_head_grouping(heads: int, kv_heads: int) -> None:
+    case = make_case(_spec(num_heads=heads, num_kv_heads=kv_heads), [1, 8, 3], [12, 0, 20], 1)
+    out, paged, _ = run_case(case)
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+
+
+@pytest.mark.parametrize("window", [1, 4, 17, 64])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_sliding_window(window: int, causal: bool) -> None:
+    spec = _spec(sliding_window=window, causal=causal)
+    case = make_case(spec, [1, 1, 19, 40], [50, 3, 25, 0], 2, pad_tokens=2)
+    out, _, _ = run_case(case)
+    assert_close_to_oracle(case, out)
+
+
+@pytest.mark.parametrize("cap", [5.0, 30.0])
+def test_logits_soft_cap(cap: float) -> None:
+    case = make_case(_spec(logits_soft_cap=cap, scale=1.0), [1, 2, 15], [9, 20, 4], 1)
+    out, _, _ = run_case(case)
+    assert_close_to_oracle(case, out)
+
+
+def test_soft_cap_window_and_spec_decode_together() -> None:
+    spec = _spec(
+        num_heads=8, num_kv_heads=2, logits_soft_cap=20.0, sliding_window=9,
+        num_speculative_tokens=3, dtype=torch.bfloat16,
+    )  # fmt: skip
+    case = make_case(spec, [4, 4, 2, 11, 1], [30, 2, 14, 8, 0], 3, pad_tokens=4)
+    out, paged, _ = run_case(case, packed=True)
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+
+
+def test_non_causal_with_cache() -> None:
+    case = make_case(_spec(causal=False), [6, 3], [10, 0], 0)
+    out, _, _ = run_case(case)
+    assert_close_to_oracle(case, out)
+
+
+def test_kv_already_in_cache() -> None:
+    case = make_case(_spec(), [1, 1, 9], [14, 33, 6], 2, pad_tokens=2)
+    out, paged, _ = run_case(case, kv_in_cache=True)
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+
+
+def test_zero_length_requests() -> None:
+    case = make_case(_spec(), [1, 0, 7, 0], [5, 3, 0, 9], 1, pad_tokens=1)
+    out, paged, _ = run_case(case)
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
