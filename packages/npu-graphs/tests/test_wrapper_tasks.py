@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from npu_graphs_cases import ToyModel, make_step, split_tokens
+from npu_graphs_cases import ToyModel, make_step, segment_mix, split_tokens
 
+import npu_graphs
+import npu_graphs.session
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
 
 SIZES = (1, 2, 4, 8, 16)
@@ -85,3 +88,156 @@ def test_unchanged_step_reissues_nothing(backend, device):
     assert engine.registry.update(4, step) is (not backend.supports_task_update)
     assert engine.registry.update(4, step) is (not backend.supports_task_update)
     assert engine.registry.update(4, make_step(backend, [1, 3], MAX_REQS, device)) is True
+
+
+def test_piecewise_wrappers_inside_full_capture_run_eagerly(backend, device):
+    registry = TaskRegistry("main")
+    weights = ToyModel(HIDDEN, 2, device, torch.float32).weights
+    pieces = [
+        GraphWrapper(
+            lambda x, w=w: torch.tanh(x @ w),
+            backend=backend,
+            mode=RuntimeMode.PIECEWISE,
+            name=f"piece{i}",
+        )
+        for i, w in enumerate(weights)
+    ]
+
+    def model(x, step):
+        for piece in pieces:
+            x = x + registry.call(segment_mix, piece(x), step=step)
+        return x
+
+    full = GraphWrapper(model, backend=backend, mode=RuntimeMode.FULL, tasks=registry)
+    x = torch.randn(8, HIDDEN).to(device)
+    step = make_step(backend, [3, 5], MAX_REQS, device)
+    expected = ToyModel(HIDDEN, 2, device, torch.float32)(x, {"seq_lens": [3, 5]})
+    with graph_dispatch(RuntimeMode.FULL, 8):
+        torch.testing.assert_close(full(x, step).clone(), expected, **TOL)
+    assert full.has_graph(8)
+    assert not any(p.has_graph(8) for p in pieces)  # recorded inside the FULL graph
+    assert registry.num_tasks(8) == 2
+    with graph_dispatch(RuntimeMode.PIECEWISE, 8):  # pieces capture, attention stays eager
+        torch.testing.assert_close(full(x, step).clone(), expected, **TOL)
+        torch.testing.assert_close(full(x, step).clone(), expected, **TOL)
+    assert all(p.has_graph(8) for p in pieces)
+    assert full.keys() == [8]
+
+
+def test_failed_capture_leaves_nothing_registered(backend, device):
+    registry = TaskRegistry("main")
+    fail = {"on": True}
+
+    def model(x, step):
+        y = registry.call(segment_mix, x, step=step)
+        if fail["on"]:
+            raise RuntimeError("boom in layer 1")
+        return y
+
+    wrapper = GraphWrapper(model, backend=backend, mode=RuntimeMode.FULL, tasks=registry)
+    x = torch.randn(4, HIDDEN).to(device)
+    step = make_step(backend, [4], MAX_REQS, device)
+    with graph_dispatch(RuntimeMode.FULL, 4), pytest.raises(npu_graphs.GraphCaptureError) as info:
+        wrapper(x, step)
+    message = str(info.value)
+    assert "key 4" in message and "FULL" in message and "boom in layer 1" in message
+    assert not wrapper.has_graph(4) and wrapper.keys() == []
+    assert 4 not in registry and registry.num_tasks(4) == 0
+    assert not backend.is_capturing()
+    assert npu_graphs.session.active_session() is None
+    fail["on"] = False
+    with graph_dispatch(RuntimeMode.FULL, 4):
+        torch.testing.assert_close(wrapper(x, step).clone(), segment_mix(x, seq_lens=[4]), **TOL)
+    assert registry.num_tasks(4) == 1
+
+
+def test_expected_task_count_is_enforced(backend, device):
+    registry = TaskRegistry("main", expected_tasks=3)
+    model = ToyModel(HIDDEN, 2, device, torch.float32, registry)
+    wrapper = GraphWrapper(model, backend=backend, tasks=registry)
+    step = make_step(backend, [4], MAX_REQS, device)
+    with (
+        graph_dispatch(RuntimeMode.FULL, 4),
+        pytest.raises(npu_graphs.GraphCaptureError, match="recorded 2 tasks, expected 3"),
+    ):
+        wrapper(torch.randn(4, HIDDEN).to(device), step)
+    assert registry.keys() == [] and not wrapper.has_graph(4)
+
+
+def test_debug_address_check_rejects_moved_inputs(backend, device):
+    wrapper = GraphWrapper(lambda x: x * 2, backend=backend, debug_check_addresses=True)
+    static = torch.randn(4, HIDDEN).to(device)
+    with graph_dispatch(RuntimeMode.FULL, 4):
+        wrapper(static)
+        torch.testing.assert_close(wrapper(static).clone(), static * 2)
+        with pytest.raises(ValueError, match="same static buffers"):
+            wrapper(static.clone())
+
+
+def test_eager_when_mode_is_none_or_not_own(backend, device):
+    calls = []
+    wrapper = GraphWrapper(
+        lambda x: calls.append(1) or x + 1, backend=backend, mode=RuntimeMode.PIECEWISE
+    )
+    x = torch.zeros(2).to(device)
+    wrapper(x)
+    with graph_dispatch(RuntimeMode.FULL, 2):
+        wrapper(x)
+    assert len(calls) == 2 and wrapper.keys() == []
+
+
+def test_outputs_are_weak_views_on_backends_that_allow_it(backend, device):
+    wrapper = GraphWrapper(lambda x: x @ x.T, backend=backend)
+    x = torch.randn(4, 4).to(device)
+    with graph_dispatch(RuntimeMode.FULL, 4):
+        first = wrapper(x)
+        torch.testing.assert_close(first, x @ x.T)
+        x.mul_(2)
+        second = wrapper(x)
+    assert second.data_ptr() == first.data_ptr()  # fixed output address
+    torch.testing.assert_close(second, x @ x.T)
+    if backend.weak_ref_outputs:
+        assert second.untyped_storage().data_ptr() == wrapper.entry(4).outputs.data_ptr()
+
+
+def test_call_task_routes_to_the_capturing_wrappers_registry(backend, device):
+    registry = TaskRegistry("main")
+    wrapper = GraphWrapper(
+        lambda x, step: npu_graphs.call_task(segment_mix, x, step=step),
+        backend=backend,
+        tasks=registry,
+    )
+    x = torch.randn(6, HIDDEN).to(device)
+    with graph_dispatch(RuntimeMode.FULL, 6):
+        wrapper(x, make_step(backend, [6], MAX_REQS, device))
+    registry.update(6, make_step(backend, [2, 4], MAX_REQS, device))
+    with graph_dispatch(RuntimeMode.FULL, 6):
+        out = wrapper(x, None).clone()
+    torch.testing.assert_close(out, segment_mix(x, seq_lens=[2, 4]), **TOL)
+    # outside a capture call_task simply runs
+    torch.testing.assert_close(
+        npu_graphs.call_task(segment_mix, x, step={"seq_lens": [6]}), segment_mix(x, seq_lens=[6])
+    )
+
+
+def test_independent_registries_update_independently(backend, device):
+    main, draft = TaskRegistry("main"), TaskRegistry("draft")
+    main_model = GraphWrapper(ToyModel(HIDDEN, 2, device, torch.float32, main), backend=backend)
+    draft_model = GraphWrapper(
+        ToyModel(HIDDEN, 1, device, torch.float32, draft, seed=1), backend=backend
+    )
+    x = torch.randn(8, HIDDEN).to(device)
+    first = make_step(backend, [8], MAX_REQS, device)
+    with graph_dispatch(RuntimeMode.FULL, 8):
+        main_model(x, first)
+        draft_model(x, first)
+    assert (main.num_tasks(8), draft.num_tasks(8)) == (2, 1)
+    main.update(8, make_step(backend, [4, 4], MAX_REQS, device))
+    with graph_dispatch(RuntimeMode.FULL, 8):
+        main_out, draft_out = main_model(x, None).clone(), draft_model(x, None).clone()
+    torch.testing.assert_close(
+        main_out, ToyModel(HIDDEN, 2, device, torch.float32)(x, {"seq_lens": [4, 4]}), **TOL
+    )
+    torch.testing.assert_close(  # the draft graph still has its own (first) step
+        draft_out, ToyModel(HIDDEN, 1, device, torch.float32, seed=1)(x, {"seq_lens": [8]}), **TOL
+    )

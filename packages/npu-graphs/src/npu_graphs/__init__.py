@@ -9,13 +9,30 @@ Parts (each usable alone, none tied to an engine or to attention):
   after; reads the mode and key set by :func:`graph_dispatch`.
 * :class:`TaskRegistry` / :func:`call_task`: ops captured with step arguments that
   ``update(key, step)`` refreshes once per step before replay.
+* :func:`plan_capture` / :class:`CapturePlan`: capture sizes, padding, uniform-decode
+  sizes, the device's graph budget; :func:`capture_all` captures with a progress bar
+  and reports time and memory.
+* :class:`FullGraphManager`: capture phases (mixed, uniform decode), per-step mode
+  choice with eager fallback, static outputs.
+* :class:`MicroBatchRunner`: micro-batches overlapped on threads and streams,
+  captured as one graph per split.
 """
 
 from npu_graphs._version import __version__
 from npu_graphs.backends import GraphBackend, available_backends, get_backend, register_backend
+from npu_graphs.capture import CaptureReport, capture_all
 from npu_graphs.errors import GraphCaptureError, GraphReplayError, TaskUpdateError
+from npu_graphs.manager import BatchDescriptor, FullGraphManager, StepDispatch
 from npu_graphs.modes import DispatchState, RuntimeMode, current_dispatch, graph_dispatch
-from npu_graphs.tasks import TaskRegistry, UpdatableTask, call_task
+from npu_graphs.planner import (
+    NPU_STREAM_BUDGET,
+    CapturePlan,
+    default_capture_sizes,
+    graphs_within_stream_budget,
+    plan_capture,
+)
+from npu_graphs.tasks import TaskIssue, TaskRegistry, UpdatableTask, call_task
+from npu_graphs.ubatch import MicroBatchContext, MicroBatchRunner
 from npu_graphs.wrapper import (
     GraphEntry,
     GraphWrapper,
@@ -25,23 +42,36 @@ from npu_graphs.wrapper import (
 )
 
 __all__ = [
+    "NPU_STREAM_BUDGET",
+    "BatchDescriptor",
+    "CapturePlan",
+    "CaptureReport",
     "DispatchState",
+    "FullGraphManager",
     "GraphBackend",
     "GraphCaptureError",
     "GraphEntry",
     "GraphReplayError",
     "GraphWrapper",
+    "MicroBatchContext",
+    "MicroBatchRunner",
     "RuntimeMode",
+    "StepDispatch",
+    "TaskIssue",
     "TaskRegistry",
     "TaskUpdateError",
     "UpdatableTask",
     "__version__",
     "available_backends",
     "call_task",
+    "capture_all",
     "capture_quietly",
     "current_dispatch",
+    "default_capture_sizes",
     "get_backend",
     "graph_dispatch",
+    "graphs_within_stream_budget",
+    "plan_capture",
     "register_backend",
     "shared_capture_stream",
     "shared_pool",

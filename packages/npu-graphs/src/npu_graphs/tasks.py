@@ -47,9 +47,26 @@ class UpdatableTask:
     def step_kwargs(self, step: Any) -> Mapping[str, Any]:
         return _derive(self.derive, step)
 
-    def issue(self, host_values: Mapping[str, Any]) -> Callable[[], object]:
+    def issue(self, host_values: Mapping[str, Any]) -> TaskIssue:
         """A callable that re-issues the op with ``host_values`` and the fixed buffers."""
-        return lambda: self.fn(*self.args, **self.kwargs, **host_values, **self.buffers)
+        return TaskIssue(self, host_values)
+
+
+class TaskIssue:
+    """Re-issues one task with new host values when called (inside a backend's task update).
+
+    ``host_values`` is exposed too, for backends that update ops by their keyword
+    arguments instead of re-issuing them (torch_npu's ``NPUGraph.update``).
+    """
+
+    __slots__ = ("host_values", "task")
+
+    def __init__(self, task: UpdatableTask, host_values: Mapping[str, Any]) -> None:
+        self.task, self.host_values = task, host_values
+
+    def __call__(self) -> object:
+        task = self.task
+        return task.fn(*task.args, **task.kwargs, **self.host_values, **task.buffers)
 
 
 @dataclasses.dataclass
@@ -136,7 +153,9 @@ class TaskRegistry:
             token = backend.task_group_begin(session.graph, session.stream) if grouped else None
             result = fn(*args, **kwargs, **host, **buffers)
             handle = (
-                backend.task_group_end(session.graph, session.stream, token) if grouped else None
+                backend.task_group_end(session.graph, session.stream, token, host)
+                if grouped
+                else None
             )
         finally:
             session.in_task = False
@@ -294,6 +313,9 @@ class TaskRegistry:
     def keys(self) -> list[Hashable]:
         """Keys with captured tasks."""
         return list(self._graphs)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
 
     def tasks(self, key: Hashable) -> list[UpdatableTask]:
         """All tasks captured under ``key`` (over every graph of that key)."""

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
 # One task update for :meth:`GraphBackend.update_tasks`: the task group handle and a
-# callable that re-issues the task's op with new host arguments, or ``None`` to let
-# the next replay go ahead with the arguments the task already has.
+# callable that re-issues the task's op with new host arguments (its ``host_values``
+# attribute holds them as keyword arguments), or ``None`` to let the next replay go
+# ahead with the arguments the task already has.
 TaskUpdate = tuple[Any, "Callable[[], object] | None"]
 
 
@@ -101,8 +102,13 @@ class GraphBackend(abc.ABC):
         """Open a task group inside a capture; returns a token for ``task_group_end``."""
         raise NotImplementedError(f"the {self.name} backend has no task groups")
 
-    def task_group_end(self, graph: Any, stream: Any, token: Any) -> Any:
-        """Close the task group opened with ``token``; returns its update handle."""
+    def task_group_end(
+        self, graph: Any, stream: Any, token: Any, host_values: Mapping[str, Any] | None = None
+    ) -> Any:
+        """Close the task group opened with ``token``; returns its update handle.
+
+        ``host_values`` are the task's host step arguments as captured (keyword form).
+        """
         raise NotImplementedError(f"the {self.name} backend has no task groups")
 
     def update_tasks(self, graph: Any, updates: Sequence[TaskUpdate]) -> None:

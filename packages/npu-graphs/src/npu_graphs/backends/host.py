@@ -24,7 +24,7 @@ import contextlib
 import enum
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -384,7 +384,9 @@ class HostGraphBackend(GraphBackend):
             raise GraphCaptureError("task_group_begin outside the capture of this graph")
         return graph.num_ops
 
-    def task_group_end(self, graph: Any, stream: Any, token: Any) -> HostTaskHandle:
+    def task_group_end(
+        self, graph: Any, stream: Any, token: Any, host_values: Mapping[str, Any] | None = None
+    ) -> HostTaskHandle:
         if graph is not _ACTIVE:
             raise GraphCaptureError("task_group_end outside the capture of this graph")
         graph.groups.append((token, graph.num_ops))
