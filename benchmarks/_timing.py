@@ -36,6 +36,16 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def graph_median_ms(fn: Callable[[], Any]) -> float:
+    """Median device time of ``fn`` captured as a CUDA graph (no launch overhead)."""
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     src = torch.randn(nbytes // 4, device=device)

@@ -204,6 +204,7 @@ SMALL_CASES = {
     "sliding_window": ({"sliding_window": 7}, [1, 12], [30, 9], 1),
     "soft_cap": ({"logits_soft_cap": 1.5}, [6, 1], [10, 0], 0),
     "non_causal": ({"causal": False}, [7, 4], [0, 5], 0),
+    "one_page_tiles": ({"block_size": 64}, [1, 20, 1], [100, 50, 0], 1),
     "head_80_mqa": ({"head_size": 80, "num_heads": 3, "num_kv_heads": 1}, [4, 1], [14, 20], 0),
 }
 

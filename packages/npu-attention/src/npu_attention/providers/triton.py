@@ -55,7 +55,7 @@ class TritonProvider(AttentionProvider):
     def __init__(self) -> None:
         self.min_tokens_per_split = 512
         self.target_waves = 2
-        self.decode_launch: dict[str, int] = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+        self.decode_launch: dict[str, int] = {"block_n": 64, "num_warps": 4, "num_stages": 2}
         self.prefill_launch: dict[str, int] = {"block_n": 64, "num_warps": 8, "num_stages": 3}
 
     @classmethod

@@ -93,6 +93,7 @@ def _attend_keys(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -112,7 +113,12 @@ def _attend_keys(
             n_mask = offs_n < valid_end
         else:
             n_mask = offs_n >= 0
-        if PAGED:
+        if PAGE_TILES:  # each tile lies in one page
+            block = tl.load(block_table_row + start_n // BLOCK_SIZE).to(tl.int64)
+            in_page = start_n % BLOCK_SIZE + tl.arange(0, BLOCK_N)
+            k_rows = block * stride_kb + in_page * stride_kt
+            v_rows = block * stride_vb + in_page * stride_vt
+        elif PAGED:
             blocks = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
             blocks = blocks.to(tl.int64)
             k_rows = blocks * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
@@ -148,7 +154,7 @@ def _attend_keys(
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -194,6 +200,7 @@ def _paged_attention_kernel(
     DECODE_TILES: tl.constexpr,
     SPLIT: tl.constexpr,
     PAGED: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
@@ -206,7 +213,8 @@ def _paged_attention_kernel(
         req = tl.program_id(0)
         q_tile = 0
     else:
-        tile_slot = tl.program_id(0)
+        # Last tiles of a request see the most keys: start them first.
+        tile_slot = tl.num_programs(0) - 1 - tl.program_id(0)
         req = _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q)
         q_tile = tile_slot - (tl.load(cu_seqlens_q_ptr + req) // BLOCK_Q + req)
     q_start = tl.load(cu_seqlens_q_ptr + req)
@@ -262,14 +270,14 @@ def _paged_attention_kernel(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
         qk_scale, soft_cap, window,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, False,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, False,
         CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
         qk_scale, soft_cap, window,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, True,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, True,
         CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
 
@@ -421,6 +429,7 @@ def paged_attention(
         DECODE_TILES=decode_tiles,
         SPLIT=split,
         PAGED=paged,
+        PAGE_TILES=paged and block_size % config.block_n == 0,
         CAUSAL=causal,
         USE_WINDOW=sliding_window is not None,
         USE_SOFT_CAP=use_soft_cap,
