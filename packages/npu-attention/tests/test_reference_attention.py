@@ -16,7 +16,8 @@ from npu_attention_cases import (
     run_case,
 )
 
-from npu_attention import AttentionSpec, BatchState
+from npu_attention import AttentionSpec, BatchState, plan, run
+from npu_attention.providers import reference
 
 # (name, query_lens, context_lens, num_decodes, num_speculative_tokens, state)
 BATCHES = [
@@ -122,5 +123,30 @@ def test_kv_already_in_cache() -> None:
 def test_zero_length_requests() -> None:
     case = make_case(_spec(), [1, 0, 7, 0], [5, 3, 0, 9], 1, pad_tokens=1)
     out, paged, _ = run_case(case)
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(causal=False), dict(causal=False, sliding_window=5), dict(causal=True)],
+    ids=["encoder", "encoder_window", "causal_no_cache"],
+)
+def test_attention_without_cache(overrides: dict) -> None:
+    case = make_case(_spec(**overrides), [4, 1, 19, 8], [0, 0, 0, 0], 0, pad_tokens=2)
+    step = plan(case.cu_seqlens_q, case.seq_lens, None, None, 0, case.spec)
+    key, value = case.new_kv()
+    out = torch.full_like(case.query, -3.0)
+    assert run(case.query, key, value, None, None, step, out) is out
+    assert not step.has_cache
+    assert_close_to_oracle(case, out)
+
+
+def test_tiles_split_under_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny budget: decodes split over several tiles, a long prefill over query-row chunks."""
+    monkeypatch.setattr(reference, "TILE_ELEMENTS", 512)
+    case = make_case(_spec(), [1, 1, 1, 1, 40, 3], [20, 50, 3, 9, 10, 0], 4, pad_tokens=1)
+    out, paged, step = run_case(case)
+    assert len(step.provider_data.tiles) > 4
     assert_close_to_oracle(case, out)
     assert_cache_written(case, paged)

@@ -94,7 +94,15 @@ def check_decodes(num_decodes: Any, query_lens: np.ndarray, spec: AttentionSpec)
 
 def resolve_device(device: torch.device | str | None, tables: torch.Tensor) -> torch.device:
     """``device`` (default: the block tables' device), checked to exist here."""
-    device = tables.device if device is None else torch.device(device)
+    if device is None:
+        device = tables.device
+    else:
+        try:
+            device = torch.device(device)
+        except RuntimeError as error:  # a device type torch does not know (no backend loaded)
+            raise ValueError(
+                f"device {str(device)!r} is not available on this machine ({error})"
+            ) from None
     if device.type == "cpu":
         return device
     backend = getattr(torch, device.type, None)
@@ -109,14 +117,18 @@ def resolve_device(device: torch.device | str | None, tables: torch.Tensor) -> t
     return device
 
 
-def check_block_tables(
-    tables: torch.Tensor, seq_lens: np.ndarray, block_size: int, num_blocks: int | None
-) -> None:
+def check_table_rows(tables: torch.Tensor, seq_lens: np.ndarray) -> None:
     if tables.shape[0] != len(seq_lens):
         raise ValueError(
             f"block_tables must have one row per request ({len(seq_lens)}), "
             f"got shape {tuple(tables.shape)}"
         )
+
+
+def check_block_tables(
+    tables: torch.Tensor, seq_lens: np.ndarray, block_size: int, num_blocks: int | None
+) -> None:
+    check_table_rows(tables, seq_lens)
     capacity = tables.shape[1] * block_size
     if seq_lens.size and seq_lens.max() > capacity:
         i = int(np.argmax(seq_lens))

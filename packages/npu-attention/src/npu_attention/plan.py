@@ -9,9 +9,11 @@ CONTRACT (shared by every provider and by npu-vllm-bridge):
   list), ``cu_seqlens_q[0] == 0``, non-decreasing; request ``i`` owns query tokens
   ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]``.
 - ``seq_lens``: host ``[num_reqs]`` int, context + new tokens of each request.
-- ``block_tables``: ``[num_reqs, max_blocks]`` int (host or device).
+- ``block_tables``: ``[num_reqs, max_blocks]`` int (host or device); ``None``
+  for attention without a KV cache (encoder), then ``run`` takes no caches.
 - ``slot_mapping``: ``[num_tokens]`` int (host or device); may be longer than
-  ``cu_seqlens_q[-1]`` (graph padding); slot ``-1`` is skipped.
+  ``cu_seqlens_q[-1]`` (graph padding); slot ``-1`` is skipped; ``None`` means
+  no token is written (all ``-1``).
 - ``num_decodes``: the first ``num_decodes`` requests are decodes (vLLM orders
   decodes first); each has ``1 + spec.num_speculative_tokens`` query tokens.
 - ``device``: where device tensors live (default: ``block_tables.device``).
@@ -80,6 +82,7 @@ class AttentionPlan:
     # additions to the contract (all derived from the fields above)
     context_lens_host: list[int] = field(default_factory=list)  # [num_reqs]
     max_context_len: int = 0
+    has_cache: bool = True  # False: planned with block_tables=None (no KV cache)
     host_arrays: HostArrays | None = field(default=None, repr=False)
     buffers: PlanBuffers | None = field(default=None, repr=False)
 
@@ -131,11 +134,19 @@ def plan(
         raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
     host = _host_arrays(cu_seqlens_q, seq_lens)
     num_decodes = _inputs.check_decodes(num_decodes, host.query_lens, spec)
+    num_tokens = int(host.cu_seqlens_q[-1])
+    if block_tables is None:
+        block_tables = torch.zeros(len(host.seq_lens), 0, dtype=torch.int32)
+    if slot_mapping is None:
+        slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
     tables = _inputs.as_int_tensor(block_tables, "block_tables", ndim=2)
     slots = _inputs.as_int_tensor(slot_mapping, "slot_mapping", ndim=1)
     device = _inputs.resolve_device(device, tables)
-    _inputs.check_block_tables(tables, host.seq_lens, spec.block_size, num_blocks)
-    _inputs.check_slot_mapping(slots, int(host.cu_seqlens_q[-1]), spec.block_size, num_blocks)
+    if tables.shape[1]:
+        _inputs.check_block_tables(tables, host.seq_lens, spec.block_size, num_blocks)
+    else:
+        _inputs.check_table_rows(tables, host.seq_lens)
+    _inputs.check_slot_mapping(slots, num_tokens, spec.block_size, num_blocks)
     chosen = get_provider(provider, device)
     if buffers is None:
         cu_t, seq_t, ctx_t, tables_t, slots_t = _to_device(host, tables, slots, device)
@@ -149,7 +160,7 @@ def plan(
         num_reqs=len(host.seq_lens),
         num_decodes=num_decodes,
         num_decode_tokens=int(host.cu_seqlens_q[num_decodes]),
-        num_actual_tokens=int(host.cu_seqlens_q[-1]),
+        num_actual_tokens=num_tokens,
         max_query_len=int(host.query_lens.max(initial=0)),
         max_seq_len=int(host.seq_lens.max(initial=0)),
         cu_seqlens_q_host=host.cu_seqlens_q.tolist(),
@@ -162,6 +173,7 @@ def plan(
         slot_mapping=slots_t,
         context_lens_host=host.context_lens.tolist(),
         max_context_len=int(host.context_lens.max(initial=0)),
+        has_cache=tables.shape[1] > 0,
         host_arrays=host,
         buffers=buffers,
     )

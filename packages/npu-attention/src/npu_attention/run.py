@@ -72,6 +72,11 @@ def _check_run_inputs(
         cache_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
         _check_tensor("key_cache", key_cache, plan, cache_shape)
         _check_tensor("value_cache", value_cache, plan, cache_shape)
+        if not plan.has_cache and plan.max_seq_len > 0:
+            raise ValueError(
+                "the plan was made without block tables (block_tables=None), "
+                "so run takes no caches; got key_cache and value_cache"
+            )
         if key_cache.shape[0] != value_cache.shape[0]:
             raise ValueError(
                 f"key_cache and value_cache must have as many blocks, got "

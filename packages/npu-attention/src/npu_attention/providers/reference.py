@@ -37,8 +37,8 @@ class Tile:
     """
 
     query_tokens: torch.Tensor  # int64 [b, lq], token of each query row
-    kv_blocks: torch.Tensor  # int64 [b, lk], cache block of each key
-    kv_offsets: torch.Tensor  # int64 [b, lk], offset in that block
+    kv_blocks: torch.Tensor | None  # int64 [b, lk], cache block of each key (None: no cache)
+    kv_offsets: torch.Tensor | None  # int64 [b, lk], offset in that block
     kv_tokens: torch.Tensor | None  # int64 [b, lk], token of each key (no-cache attention)
     hidden: torch.Tensor  # bool [b, 1, 1, lq, lk], True = key not visible
     out_rows: torch.Tensor | None  # int64 [n], real rows of the flat [b * lq]; None = all
@@ -228,13 +228,16 @@ def _tile(
     query_tokens = starts + np.minimum(rows, query_lens - 1)
     key_pos = np.minimum(positions, seq_lens - 1)  # padding keys repeat a real key
     device = plan.device
-    request_ids = _to(requests[:, None], device)
-    block_cols = _to(key_pos // spec.block_size, device)
+    kv_blocks = kv_offsets = None
+    if plan.has_cache:
+        block_cols = _to(key_pos // spec.block_size, device)
+        kv_blocks = plan.block_tables[_to(requests[:, None], device), block_cols].long()
+        kv_offsets = _to(key_pos % spec.block_size, device)
     out_rows = np.flatnonzero(row_valid.ravel())
     return Tile(
         query_tokens=_to(query_tokens, device),
-        kv_blocks=plan.block_tables[request_ids, block_cols].long(),
-        kv_offsets=_to(key_pos % spec.block_size, device),
+        kv_blocks=kv_blocks,
+        kv_offsets=kv_offsets,
         kv_tokens=None if plan.has_context else _to(starts + key_pos, device),
         hidden=_to(~visible[:, None, None], device, np.bool_),
         out_rows=None if out_rows.size == row_valid.size else _to(out_rows, device),
