@@ -8,9 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # helper modules beside the tests
 
+from npu_runtime_stand_in import NpuRuntime, StandInNpuNamespace
 from schema_stand_in import CallLog, StandInTorchNpu
 from torch_npu_schemas import TorchNpuApi, download_wheel, read_wheel
 
@@ -33,7 +35,16 @@ def torch_npu_api(request: pytest.FixtureRequest) -> TorchNpuApi:
 def stand_in(
     torch_npu_api: TorchNpuApi, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[StandInTorchNpu]:
-    """A stand-in ``torch_npu`` in ``sys.modules`` for the duration of one test."""
-    module = StandInTorchNpu(torch_npu_api, CallLog())
+    """Stand-in ``torch_npu`` (in ``sys.modules``) and ``torch.npu`` for one test.
+
+    ``stand_in.npu`` is the ``torch.npu`` namespace; ops and runtime share one call log.
+    """
+    log = CallLog()
+    module = StandInTorchNpu(torch_npu_api, log)
+    runtime = NpuRuntime(torch_npu_api.python, log)
+    module.launcher = runtime
+    module.npu = StandInNpuNamespace(runtime)
     monkeypatch.setitem(sys.modules, "torch_npu", module)
+    monkeypatch.setitem(sys.modules, "torch_npu.npu", module.npu)
+    monkeypatch.setattr(torch, "npu", module.npu, raising=False)
     yield module

@@ -77,28 +77,35 @@ class CallLog:
         return [call for call in self.calls if call.name == name]
 
 
+class Launcher:
+    """Runs an op now; a device-graph stand-in replaces it to capture or update ops."""
+
+    def launch(self, name: str, implementation: Callable[[dict], Any], arguments: dict) -> Any:
+        return implementation(arguments)
+
+
 class CheckedOp:
     """A torch_npu operator: schema check, documented-value check, record, compute."""
 
     def __init__(
         self,
         schema: OpSchema,
-        log: CallLog,
+        module: StandInTorchNpu,
         implementation: Callable[[dict[str, Any]], Any] | None,
         out: CheckedOp | None = None,
     ) -> None:
         self.schema = schema
-        self._log = log
+        self._module = module
         self._implementation = implementation
         if out is not None:
             self.out = out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         arguments = self.schema.bind(args, kwargs)
-        self._log.calls.append(Call(self.schema.name, arguments))
+        self._module.log.calls.append(Call(self.schema.name, arguments))
         if self._implementation is None:
             raise NotModeled(f"the stand-in does not compute torch_npu.{self.schema.name}")
-        return self._implementation(arguments)
+        return self._module.launcher.launch(self.schema.name, self._implementation, arguments)
 
 
 class StandInTorchNpu(types.ModuleType):
@@ -108,14 +115,15 @@ class StandInTorchNpu(types.ModuleType):
         super().__init__("torch_npu")
         self.__version__ = api.version
         self.log = log
+        self.launcher = Launcher()
         for name, schema in api.operators.items():
             if "." in name:
                 continue
             out_schema = api.operators.get(f"{name}.out")
             out = None
             if out_schema is not None:
-                out = CheckedOp(out_schema, log, IMPLEMENTATIONS.get(out_schema.name))
-            setattr(self, name, CheckedOp(schema, log, IMPLEMENTATIONS.get(name), out))
+                out = CheckedOp(out_schema, self, IMPLEMENTATIONS.get(out_schema.name))
+            setattr(self, name, CheckedOp(schema, self, IMPLEMENTATIONS.get(name), out))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

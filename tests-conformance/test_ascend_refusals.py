@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 
 import pytest
@@ -97,6 +98,9 @@ def test_plan_of_another_provider_is_refused(stand_in) -> None:
         )
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch_npu") is not None, reason="a real torch_npu is installed"
+)
 def test_unavailable_without_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "torch_npu" not in p])

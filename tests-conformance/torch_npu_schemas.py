@@ -48,7 +48,9 @@ PYTHON_API_FILES = (
     "torch_npu/npu/graphs.py",
     "torch_npu/npu/streams.py",
     "torch_npu/npu/utils.py",
-    "torch_npu/npu/__init__.py",
+    "torch_npu/npu/memory.py",
+    "torch_npu/npu/npu_config.py",
+    "torch_npu/npu/__init__.py",  # last: its __all__ is what ``torch.npu`` exports
 )
 
 
@@ -189,20 +191,21 @@ def value_matches(schema_type: str, value: Any) -> bool:
 
 @dataclass(frozen=True)
 class PythonApi:
-    """Functions and classes of torch_npu's Python modules, as signatures."""
+    """Functions and classes of ``torch.npu`` (torch_npu's Python modules), as signatures."""
 
     functions: dict[str, inspect.Signature]
     classes: dict[str, dict[str, inspect.Signature]]  # class -> method -> signature
     # "__call__" of a class entry is its constructor.
+    exported: frozenset[str]  # the names ``torch.npu`` exports (``__all__``)
 
     def function(self, name: str) -> inspect.Signature:
-        if name not in self.functions:
+        if name not in self.functions or name not in self.exported:
             raise SchemaViolation(f"torch.npu has no function {name!r} in torch_npu's Python API")
         return self.functions[name]
 
     def method(self, class_name: str, method: str) -> inspect.Signature:
         methods = self.classes.get(class_name)
-        if methods is None:
+        if methods is None or class_name not in self.exported:
             raise SchemaViolation(f"torch.npu has no class {class_name!r}")
         if method not in methods:
             raise SchemaViolation(f"torch.npu.{class_name} has no method {method!r}")
@@ -220,16 +223,22 @@ def bind_python(signature: inspect.Signature, where: str, args: tuple, kwargs: d
 
 
 def parse_python_api(sources: dict[str, str]) -> PythonApi:
-    """Module-level functions and classes of each source, by name (later files win)."""
+    """Module-level functions and classes of each source, by name (later files win);
+    the exported names are the ``__all__`` of the last source."""
     functions: dict[str, inspect.Signature] = {}
     classes: dict[str, dict[str, inspect.Signature]] = {}
+    exported: frozenset[str] = frozenset()
     for source in sources.values():
         for node in ast.parse(source).body:
             if isinstance(node, ast.FunctionDef):
                 functions[node.name] = _signature(node.args, drop_first=False)
             elif isinstance(node, ast.ClassDef):
                 classes[node.name] = _class_methods(node)
-    return PythonApi(functions, classes)
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+            ):
+                exported = frozenset(ast.literal_eval(node.value))
+    return PythonApi(functions, classes, exported)
 
 
 def _class_methods(node: ast.ClassDef) -> dict[str, inspect.Signature]:

@@ -1,0 +1,523 @@
+"""A stand-in ``torch.npu`` runtime built from torch_npu's Python API.
+
+Every call is bound to the signature read from torch_npu's own Python sources
+(``graphs.py``, ``streams.py``, ``utils.py`` ...; see ``torch_npu_schemas``) and
+recorded; a name ``torch.npu`` does not export raises ``SchemaViolation``. The
+stand-in then models what the documentation says happens on the device, on CPU
+tensors:
+
+- Capture (``torch.npu.graph`` or ``NPUGraph.capture_begin``) records the
+  torch_npu ops issued on the capture stream instead of running them (out-form
+  and in-place ops only: a captured op's result is not available at capture);
+  ``replay`` runs the recorded ops, with the host arguments they were captured
+  or last updated with. Workspace sizing (``*_get_max_workspace``) is host work
+  and runs at once. Capturing on the default stream, work issued on another
+  stream during a capture, and a device synchronize during a capture fail.
+- Task groups: ``graph_task_group_begin/end(stream)`` bracket ops on the capture
+  stream and return a handle. ``graph_task_update_begin(stream, handle)`` ...
+  ``graph_task_update_end(stream)`` must run on a stream other than the capture
+  stream, with that stream current, re-issuing the same number and kind of ops;
+  their host arguments replace the captured ones.
+- ``ExternalEvent``: captured ``wait`` + ``reset`` on the capture stream before a
+  task group make the replay wait for it; after an update, ``record`` on the
+  update stream releases it. Replaying a graph with an updated task group whose
+  event was never recorded after the update fails: the replay could run before
+  the update.
+
+Anything else torch.npu exports raises ``NotModeled``. Nothing in the packages
+imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from schema_stand_in import Call, CallLog, Launcher, NotModeled
+from torch_npu_schemas import PythonApi, SchemaViolation, bind_python
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+@dataclass
+class _Op:
+    name: str
+    implementation: Callable[[dict[str, Any]], Any]
+    arguments: dict[str, Any]
+
+
+@dataclass(eq=False)
+class TaskGroup:
+    """What ``graph_task_group_end`` hands out: the ops of one group of one graph."""
+
+    graph: StandInGraph
+    op_indices: list[int] = field(default_factory=list)
+    events: list[StandInExternalEvent] = field(default_factory=list)
+    updated_on: StandInStream | None = None  # stream of the last update not yet replayed
+    released: bool = False  # its event was recorded after that update
+
+
+@dataclass
+class _Capture:
+    graph: StandInGraph
+    stream: StandInStream
+    group: TaskGroup | None = None
+    waited: dict[StandInExternalEvent, bool] = field(default_factory=dict)  # event -> reset
+
+
+@dataclass
+class _Update:
+    group: TaskGroup
+    stream: StandInStream
+    issued: list[_Op] = field(default_factory=list)
+
+
+class NpuRuntime(Launcher):
+    """Device state shared by ``torch.npu`` and the torch_npu ops of one stand-in."""
+
+    def __init__(self, api: PythonApi, log: CallLog) -> None:
+        self.api, self.log = api, log
+        self.default_stream = StandInStream(self, "default")
+        self.current_stream = self.default_stream
+        self.side_stream: StandInStream | None = None
+        self.capture: _Capture | None = None
+        self.update: _Update | None = None
+        self._streams = 0
+
+    def new_stream(self) -> StandInStream:
+        self._streams += 1
+        return StandInStream(self, f"stream{self._streams}")
+
+    def check(self, qualname: str, signature: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        arguments = bind_python(signature, qualname, args, kwargs)
+        self.log.calls.append(Call(qualname, arguments))
+        return arguments
+
+    def check_function(self, name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+        return self.check(f"torch.npu.{name}", self.api.function(name), args, kwargs)
+
+    def check_method(self, cls: str, method: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+        signature = self.api.method(cls, method)
+        return self.check(f"torch.npu.{cls}.{method}", signature, args, kwargs)
+
+    # -- ops from the torch_npu stand-in --------------------------------------------
+    def launch(self, name: str, implementation: Callable[[dict], Any], arguments: dict) -> Any:
+        if name.endswith("_get_max_workspace"):
+            return implementation(arguments)  # host-side sizing, not a device task
+        op = _Op(name, implementation, arguments)
+        if self.update is not None:
+            _expect(
+                self.current_stream is self.update.stream,
+                f"torch_npu.{name} re-issued for a task update on stream "
+                f"{self.current_stream.name}, not the update stream {self.update.stream.name}",
+            )
+            self.update.issued.append(op)
+            return _deferred_result(op)
+        if self.capture is not None:
+            _expect(
+                self.current_stream is self.capture.stream,
+                f"torch_npu.{name} issued on stream {self.current_stream.name} during a "
+                f"capture on {self.capture.stream.name}",
+            )
+            self.capture.graph.ops.append(op)
+            if self.capture.group is not None:
+                self.capture.group.op_indices.append(len(self.capture.graph.ops) - 1)
+            return _deferred_result(op)
+        return implementation(arguments)
+
+    # -- capture --------------------------------------------------------------------
+    def begin_capture(self, graph: StandInGraph, stream: StandInStream, mode: str) -> None:
+        _expect(self.capture is None, "a capture is already under way")
+        _expect(
+            mode in CAPTURE_ERROR_MODES,
+            f"capture_error_mode={mode!r} is not one of {CAPTURE_ERROR_MODES}",
+        )
+        _expect(
+            stream is not self.default_stream,
+            "capture on the default stream; capture on "
+            "a side stream (torch.npu.graph(..., stream=torch.npu.Stream()))",
+        )
+        graph.ops, graph.groups, graph.captured = [], [], False
+        graph.capture_stream = stream
+        self.capture = _Capture(graph, stream)
+
+    def end_capture(self, graph: StandInGraph) -> None:
+        _expect(
+            self.capture is not None and self.capture.graph is graph,
+            "capture_end without a capture of this graph",
+        )
+        _expect(self.capture.group is None, "capture ended inside an open task group")
+        graph.captured = True
+        self.capture = None
+
+    def group_begin(self, stream: StandInStream) -> None:
+        capture = self.capture
+        _expect(capture is not None, "graph_task_group_begin outside a capture")
+        _expect(
+            stream is capture.stream,
+            f"graph_task_group_begin on stream {stream.name}, "
+            f"not the capture stream {capture.stream.name}",
+        )
+        _expect(capture.group is None, "graph_task_group_begin inside an open task group")
+        unreset = [e for e, reset in capture.waited.items() if not reset]
+        _expect(
+            not unreset,
+            "an ExternalEvent waited in capture must be reset before the "
+            "task group (event.wait(s); event.reset(s))",
+        )
+        capture.group = TaskGroup(capture.graph, events=list(capture.waited))
+        capture.waited = {}
+
+    def group_end(self, stream: StandInStream) -> TaskGroup:
+        capture = self.capture
+        _expect(
+            capture is not None and capture.group is not None,
+            "graph_task_group_end without graph_task_group_begin",
+        )
+        _expect(
+            stream is capture.stream,
+            f"graph_task_group_end on stream {stream.name}, "
+            f"not the capture stream {capture.stream.name}",
+        )
+        group, capture.group = capture.group, None
+        _expect(len(group.op_indices) > 0, "a task group with no torch_npu op in it")
+        capture.graph.groups.append(group)
+        return group
+
+    # -- task update ------------------------------------------------------------------
+    def update_begin(self, stream: StandInStream, handle: Any) -> None:
+        _expect(
+            isinstance(handle, TaskGroup),
+            f"graph_task_update_begin needs a handle from "
+            f"graph_task_group_end, got {type(handle).__name__}",
+        )
+        _expect(handle.graph.captured, "task update of a graph whose capture has not ended")
+        _expect(self.update is None, "graph_task_update_begin inside another task update")
+        _expect(
+            stream is not handle.graph.capture_stream,
+            "graph_task_update_begin on the capture stream: the update stream must differ "
+            "from the capture stream",
+        )
+        _expect(
+            self.capture is None or self.capture.stream is not stream,
+            "graph_task_update_begin on a stream that is capturing",
+        )
+        self.update = _Update(handle, stream)
+
+    def update_end(self, stream: StandInStream) -> None:
+        update = self.update
+        _expect(update is not None, "graph_task_update_end without graph_task_update_begin")
+        _expect(
+            stream is update.stream,
+            f"graph_task_update_end on {stream.name}, the update began on {update.stream.name}",
+        )
+        ops = update.group.graph.ops
+        captured = [ops[i].name for i in update.group.op_indices]
+        issued = [op.name for op in update.issued]
+        _expect(
+            captured == issued,
+            f"a task update must re-issue the ops of its group: "
+            f"captured {captured}, re-issued {issued}",
+        )
+        for index, op in zip(update.group.op_indices, update.issued):
+            ops[index] = op
+        update.group.updated_on, update.group.released = stream, False
+        self.update = None
+
+    def record_external(self, event: StandInExternalEvent, stream: StandInStream) -> None:
+        if self.capture is not None and stream is self.capture.stream:
+            raise NotModeled("ExternalEvent.record inside a capture")
+        for group in event.groups:
+            if group.updated_on is not None and not group.released:
+                _expect(
+                    stream is group.updated_on,
+                    f"ExternalEvent recorded on {stream.name} "
+                    f"but its task group was updated on {group.updated_on.name}",
+                )
+                group.released = True
+
+    def replay(self, graph: StandInGraph) -> None:
+        _expect(graph.captured, "replay of a graph that was not captured")
+        _expect(self.capture is None, "replay during a capture")
+        for group in graph.groups:
+            if group.updated_on is None:
+                continue
+            _expect(
+                bool(group.events),
+                "a task group was updated but no ExternalEvent orders "
+                "the replay after the update (wait + reset one before the group in capture)",
+            )
+            _expect(
+                group.released,
+                "a task group was updated but its ExternalEvent was not "
+                "recorded on the update stream after graph_task_update_end",
+            )
+        for op in graph.ops:
+            op.implementation(op.arguments)
+        for group in graph.groups:
+            group.updated_on, group.released = None, False
+        graph.replays += 1
+
+
+def _deferred_result(op: _Op) -> Any:
+    """What a captured (not yet run) op hands back: its out tensors, or nothing."""
+    if "out" in op.arguments:
+        return tuple(op.arguments["out"])
+    if op.name == "npu_scatter_pa_kv_cache":
+        return None
+    raise NotModeled(f"torch_npu.{op.name} in a capture: only out-form and in-place ops")
+
+
+class StandInStream:
+    """``torch.npu.Stream``."""
+
+    def __init__(self, runtime: NpuRuntime, name: str) -> None:
+        self._runtime, self.name = runtime, name
+
+    def _check(self, method: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+        return self._runtime.check_method("Stream", method, args, kwargs)
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        self._check("wait_event", args, kwargs)
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        self._check("wait_stream", args, kwargs)
+
+    def record_event(self, *args: Any, **kwargs: Any) -> StandInEvent:
+        event = self._check("record_event", args, kwargs)["event"]
+        return event if event is not None else StandInEvent(self._runtime)
+
+    def query(self, *args: Any, **kwargs: Any) -> bool:
+        self._check("query", args, kwargs)
+        return True
+
+    def synchronize(self, *args: Any, **kwargs: Any) -> None:
+        self._check("synchronize", args, kwargs)
+        _expect(self._runtime.capture is None, "Stream.synchronize during a capture")
+
+    def __repr__(self) -> str:
+        return f"<stand-in torch.npu.Stream {self.name}>"
+
+
+class StandInEvent:
+    """``torch.npu.Event``."""
+
+    def __init__(self, runtime: NpuRuntime, *args: Any, **kwargs: Any) -> None:
+        self._runtime = runtime
+        runtime.check_method("Event", "__call__", args, kwargs)
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("Event", "record", args, kwargs)
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("Event", "wait", args, kwargs)
+
+    def query(self, *args: Any, **kwargs: Any) -> bool:
+        self._runtime.check_method("Event", "query", args, kwargs)
+        return True
+
+    def synchronize(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("Event", "synchronize", args, kwargs)
+        _expect(self._runtime.capture is None, "Event.synchronize during a capture")
+
+
+class StandInExternalEvent:
+    """``torch.npu.ExternalEvent``: orders a task update before the next replay."""
+
+    def __init__(self, runtime: NpuRuntime, *args: Any, **kwargs: Any) -> None:
+        self._runtime = runtime
+        self.groups: list[TaskGroup] = []
+        runtime.check_method("ExternalEvent", "__call__", args, kwargs)
+
+    def _stream(self, method: str, args: tuple, kwargs: dict) -> StandInStream:
+        stream = self._runtime.check_method("ExternalEvent", method, args, kwargs)["stream"]
+        return stream if stream is not None else self._runtime.current_stream
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        stream = self._stream("wait", args, kwargs)
+        capture = self._runtime.capture
+        if capture is not None and stream is capture.stream:
+            capture.waited[self] = False
+
+    def reset(self, *args: Any, **kwargs: Any) -> None:
+        stream = self._stream("reset", args, kwargs)
+        capture = self._runtime.capture
+        if capture is not None and stream is capture.stream:
+            _expect(self in capture.waited, "ExternalEvent.reset in capture before its wait")
+            capture.waited[self] = True
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.record_external(self, self._stream("record", args, kwargs))
+
+
+class StandInGraph:
+    """``torch.npu.NPUGraph``: recorded torch_npu ops, replayed on CPU."""
+
+    def __init__(self, runtime: NpuRuntime, *args: Any, **kwargs: Any) -> None:
+        self._runtime = runtime
+        runtime.check_method("NPUGraph", "__call__", args, kwargs)
+        self.ops: list[_Op] = []
+        self.groups: list[TaskGroup] = []
+        self.captured = False
+        self.capture_stream: StandInStream | None = None
+        self.replays = 0
+
+    def capture_begin(self, *args: Any, **kwargs: Any) -> None:
+        arguments = self._runtime.check_method("NPUGraph", "capture_begin", args, kwargs)
+        runtime = self._runtime
+        runtime.begin_capture(self, runtime.current_stream, arguments["capture_error_mode"])
+
+    def capture_end(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("NPUGraph", "capture_end", args, kwargs)
+        self._runtime.end_capture(self)
+
+    def replay(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("NPUGraph", "replay", args, kwargs)
+        self._runtime.replay(self)
+
+    def reset(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("NPUGraph", "reset", args, kwargs)
+        self.ops, self.groups, self.captured = [], [], False
+
+    def pool(self, *args: Any, **kwargs: Any) -> object:
+        self._runtime.check_method("NPUGraph", "pool", args, kwargs)
+        return ("pool", id(self))
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("NPUGraph", "update", args, kwargs)
+        raise NotModeled("NPUGraph.update (auto_dispatch_capture)")
+
+
+class StandInNpuNamespace(types.ModuleType):
+    """``torch.npu`` / ``torch_npu.npu`` as the stand-in runtime answers it."""
+
+    def __init__(self, runtime: NpuRuntime) -> None:
+        super().__init__("torch.npu")
+        self.runtime = runtime
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in self.runtime.api.exported:
+            raise NotModeled(f"torch.npu.{name}")
+        raise SchemaViolation(f"torch.npu has no attribute {name!r} in torch_npu's Python API")
+
+    # -- classes --------------------------------------------------------------------
+    def Stream(self, *args: Any, **kwargs: Any) -> StandInStream:
+        self.runtime.check_method("Stream", "__call__", args, kwargs)
+        return self.runtime.new_stream()
+
+    def Event(self, *args: Any, **kwargs: Any) -> StandInEvent:
+        return StandInEvent(self.runtime, *args, **kwargs)
+
+    def ExternalEvent(self, *args: Any, **kwargs: Any) -> StandInExternalEvent:
+        return StandInExternalEvent(self.runtime, *args, **kwargs)
+
+    def NPUGraph(self, *args: Any, **kwargs: Any) -> StandInGraph:
+        return StandInGraph(self.runtime, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def graph(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        runtime = self.runtime
+        arguments = runtime.check_method("graph", "__call__", args, kwargs)
+        if arguments["auto_dispatch_capture"]:
+            raise NotModeled("torch.npu.graph(auto_dispatch_capture=True)")
+        stream = arguments["stream"]
+        if stream is None:
+            if runtime.side_stream is None:
+                runtime.side_stream = runtime.new_stream()
+            stream = runtime.side_stream
+        graph = arguments["npu_graph"]
+        _expect(isinstance(graph, StandInGraph), "torch.npu.graph needs a torch.npu.NPUGraph")
+        _expect(runtime.capture is None, "torch.npu.graph inside another capture")
+        previous, runtime.current_stream = runtime.current_stream, stream
+        try:
+            runtime.begin_capture(graph, stream, arguments["capture_error_mode"])
+            yield
+            runtime.end_capture(graph)
+        finally:
+            runtime.current_stream = previous
+            if runtime.capture is not None and runtime.capture.graph is graph:
+                runtime.capture = None  # a failed capture leaves nothing behind
+
+    # -- functions --------------------------------------------------------------------
+    def current_stream(self, *args: Any, **kwargs: Any) -> StandInStream:
+        self.runtime.check_function("current_stream", args, kwargs)
+        return self.runtime.current_stream
+
+    def default_stream(self, *args: Any, **kwargs: Any) -> StandInStream:
+        self.runtime.check_function("default_stream", args, kwargs)
+        return self.runtime.default_stream
+
+    @contextlib.contextmanager
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        stream = self.runtime.check_function("stream", args, kwargs)["stream"]
+        if stream is None:
+            yield
+            return
+        previous, self.runtime.current_stream = self.runtime.current_stream, stream
+        try:
+            yield
+        finally:
+            self.runtime.current_stream = previous
+
+    def set_stream(self, *args: Any, **kwargs: Any) -> None:
+        stream = self.runtime.check_function("set_stream", args, kwargs)["stream"]
+        if stream is not None:
+            self.runtime.current_stream = stream
+
+    def synchronize(self, *args: Any, **kwargs: Any) -> None:
+        self.runtime.check_function("synchronize", args, kwargs)
+        _expect(self.runtime.capture is None, "torch.npu.synchronize during a capture")
+
+    def graph_pool_handle(self, *args: Any, **kwargs: Any) -> object:
+        self.runtime.check_function("graph_pool_handle", args, kwargs)
+        return ("pool", object())
+
+    def is_current_stream_capturing(self, *args: Any, **kwargs: Any) -> bool:
+        self.runtime.check_function("is_current_stream_capturing", args, kwargs)
+        capture = self.runtime.capture
+        return capture is not None and capture.stream is self.runtime.current_stream
+
+    def graph_task_group_begin(self, *args: Any, **kwargs: Any) -> None:
+        stream = self.runtime.check_function("graph_task_group_begin", args, kwargs)["stream"]
+        self.runtime.group_begin(stream)
+
+    def graph_task_group_end(self, *args: Any, **kwargs: Any) -> TaskGroup:
+        stream = self.runtime.check_function("graph_task_group_end", args, kwargs)["stream"]
+        group = self.runtime.group_end(stream)
+        for event in group.events:
+            event.groups.append(group)
+        return group
+
+    def graph_task_update_begin(self, *args: Any, **kwargs: Any) -> None:
+        arguments = self.runtime.check_function("graph_task_update_begin", args, kwargs)
+        self.runtime.update_begin(arguments["stream"], arguments["handle"])
+
+    def graph_task_update_end(self, *args: Any, **kwargs: Any) -> None:
+        stream = self.runtime.check_function("graph_task_update_end", args, kwargs)["stream"]
+        self.runtime.update_end(stream)
+
+    def is_available(self, *args: Any, **kwargs: Any) -> bool:
+        self.runtime.check_function("is_available", args, kwargs)
+        return True
+
+    def device_count(self, *args: Any, **kwargs: Any) -> int:
+        self.runtime.check_function("device_count", args, kwargs)
+        return 1
+
+    def current_device(self, *args: Any, **kwargs: Any) -> int:
+        self.runtime.check_function("current_device", args, kwargs)
+        return 0
+
+    def memory_allocated(self, *args: Any, **kwargs: Any) -> int:
+        self.runtime.check_function("memory_allocated", args, kwargs)
+        return 0
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise SchemaViolation(message)
