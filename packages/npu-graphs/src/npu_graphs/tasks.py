@@ -135,13 +135,13 @@ class TaskRegistry:
         derive: Derive | None,
     ) -> Any:
         if session.in_task:
-            raise GraphCaptureError(f"{self.name}: updatable tasks cannot nest")
+            raise GraphCaptureError(f"task registry {self.name!r}: updatable tasks cannot nest")
         backend = session.backend
         step_kwargs = _derive(derive, step)
         overlap = step_kwargs.keys() & kwargs.keys()
         if overlap:
             raise TypeError(
-                f"{self.name}: {sorted(overlap)} given both as static and step arguments"
+                f"task registry {self.name!r}: {sorted(overlap)} given both as static and step arguments"
             )
         host = {k: v for k, v in step_kwargs.items() if not backend.is_device_tensor(v)}
         buffers = {
@@ -186,7 +186,7 @@ class TaskRegistry:
         count = len(graph_tasks.tasks) if graph_tasks else 0
         if self.expected_tasks is not None and count != self.expected_tasks:
             raise GraphCaptureError(
-                f"{self.name}: capture of {session.describe()} recorded {count} tasks, "
+                f"task registry {self.name!r}: capture of {session.describe()} recorded {count} tasks, "
                 f"expected {self.expected_tasks}"
             )
         if graph_tasks is None:
@@ -225,12 +225,12 @@ class TaskRegistry:
         session = active_session()
         if session is not None:
             raise GraphCaptureError(
-                f"{self.name}: update({key!r}) during the capture of {session.describe()}"
+                f"task registry {self.name!r}: update({key!r}) during the capture of {session.describe()}"
             )
         graphs = self._graphs.get(key)
         if graphs is None:
             raise ValueError(
-                f"{self.name}: no graph captured for key {key!r}; captured keys: "
+                f"task registry {self.name!r}: no graph captured for key {key!r}; captured keys: "
                 f"{sorted(map(repr, self._graphs))}"
             )
         frozen = _freeze(step)
@@ -272,7 +272,7 @@ class TaskRegistry:
                     tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 )
                 raise TaskUpdateError(
-                    f"{self.name}: task {index} step argument {name!r} must be a tensor of shape "
+                    f"task registry {self.name!r}: task {index} step argument {name!r} must be a tensor of shape "
                     f"{tuple(buffer.shape)} (its fixed buffer), got {got}"
                 )
             buffer.copy_(value, non_blocking=True)
@@ -282,7 +282,7 @@ class TaskRegistry:
         for name, value in host.items():
             if not _equal(_freeze(value), task.captured_host[name]):
                 raise TaskUpdateError(
-                    f"{self.name}: task {index} step argument {name!r} is a host value baked "
+                    f"task registry {self.name!r}: task {index} step argument {name!r} is a host value baked "
                     "into the graph, and this backend cannot update it; pass it as a device "
                     "tensor (kept in a fixed buffer)"
                 )

@@ -194,6 +194,7 @@ class _GroupUpdate:
                 f"the update issued {func}; an update must issue the same ops"
             )
         if old.kind is not _Kind.VIEW and old.kind is not _Kind.REFRESH:
+            self._check_input_shapes(old, func, args, kwargs)
             self.staged.append(_Op(func, args, kwargs, old.outputs, old.kind))
             return old.outputs
         # A view: metadata only, nothing is computed. The fresh view is handed on (autograd
@@ -201,6 +202,19 @@ class _GroupUpdate:
         fresh = func(*args, **kwargs)
         self.staged.append(self._restage_view(old, func, args, kwargs, fresh))
         return fresh
+
+    def _check_input_shapes(self, old: _Op, func: Any, args: tuple, kwargs: dict) -> None:
+        before = [
+            tuple(t.shape)
+            for t in tree_leaves((old.args, old.kwargs))
+            if isinstance(t, torch.Tensor)
+        ]
+        now = [tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if before != now:
+            raise TaskUpdateError(
+                f"task group {self.index}: {func} input shapes {now} differ from the "
+                f"captured {before}; shapes are fixed per graph"
+            )
 
     def _restage_view(self, old: _Op, func: Any, args: tuple, kwargs: dict, fresh: Any) -> _Op:
         pairs = list(zip(tree_leaves(old.outputs), tree_leaves(fresh)))

@@ -1,0 +1,163 @@
+"""The host backend's recorded graphs behave like device graphs (fixed outputs, baked args)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npu_graphs import GraphCaptureError, GraphReplayError, TaskUpdateError, get_backend
+
+STATE = {"scale": 2.0}
+SMALL = torch.arange(2.0)
+_LIB = torch.library.Library("npu_graphs_test", "DEF")
+_LIB.define("scale_by_global(Tensor x) -> Tensor")
+
+
+def _scale_by_global(x: torch.Tensor) -> torch.Tensor:
+    return x * STATE["scale"]  # reads global state at call time, like vLLM's attention op
+
+
+_LIB.impl("scale_by_global", _scale_by_global, "CPU")
+
+
+@pytest.fixture
+def host():
+    return get_backend("host")
+
+
+def capture(host, fn):
+    graph = host.new_graph()
+    with host.capture(graph):
+        out = fn()
+    return graph, out
+
+
+def test_replay_recomputes_into_the_captured_outputs(host):
+    x = torch.randn(3, 4)
+    w = torch.randn(4, 4)
+    graph, out = capture(host, lambda: torch.relu(x @ w) + 1)
+    x.copy_(torch.randn(3, 4))
+    host.replay(graph)
+    torch.testing.assert_close(out, torch.relu(x @ w) + 1)
+
+
+def test_host_arguments_stay_baked(host):
+    x = torch.arange(8.0)
+    n = 4
+    graph, out = capture(host, lambda: x[:n].sum().reshape(1))
+    n = 6
+    x.mul_(10)
+    host.replay(graph)
+    assert out.item() == x[:4].sum().item()
+
+
+def test_in_place_ops_run_once_per_replay(host):
+    counter = torch.zeros(1)
+    graph, _ = capture(host, lambda: counter.add_(1))
+    assert counter.item() == 1  # host capture executes once
+    host.replay(graph)
+    host.replay(graph)
+    assert counter.item() == 3
+
+
+def test_custom_op_reading_global_state_is_recorded_below(host):
+    x = torch.ones(2)
+    graph, out = capture(host, lambda: torch.ops.npu_graphs_test.scale_by_global(x))
+    STATE["scale"] = 5.0
+    try:
+        host.replay(graph)
+        torch.testing.assert_close(out, torch.full((2,), 2.0))  # stale, as on a device
+        assert all(op.func.namespace == "aten" for op in graph.ops)
+    finally:
+        STATE["scale"] = 2.0
+
+
+def test_host_sync_inside_capture_is_refused(host):
+    x = torch.ones(2)
+    graph = host.new_graph()
+    with pytest.raises(GraphCaptureError, match="host value"), host.capture(graph):
+        float(x.sum().item())
+    assert not graph.captured and graph.num_ops == 0
+    with pytest.raises(GraphReplayError, match="not been captured"):
+        host.replay(graph)
+
+
+def test_one_capture_at_a_time(host):
+    outer, inner = host.new_graph(), host.new_graph()
+    with (
+        host.capture(outer),
+        pytest.raises(GraphCaptureError, match="another host graph capture"),
+        host.capture(inner),
+    ):
+        pass
+    assert outer.captured and not host.is_capturing()
+
+
+def test_capture_twice_and_wrong_graph_type(host):
+    graph, _ = capture(host, lambda: torch.ones(1) + 1)
+    with pytest.raises(GraphCaptureError, match="already captured"), host.capture(graph):
+        pass
+    with pytest.raises(TypeError, match="HostGraph"), host.capture(object()):
+        pass
+
+
+def _group(host, fn):
+    graph = host.new_graph()
+    with host.capture(graph):
+        token = host.task_group_begin(graph, None)
+        out = fn()
+        handle = host.task_group_end(graph, None, token)
+    return graph, handle, out
+
+
+def test_task_update_swaps_host_arguments(host):
+    x = torch.arange(6.0)
+    graph, handle, out = _group(host, lambda: torch.mul(x, torch.tensor([1.0] * 6)))
+    host.update_tasks(graph, [(handle, lambda: torch.mul(x, torch.tensor([2.0] * 6)))])
+    torch.testing.assert_close(out, x)  # an update executes nothing
+    host.replay(graph)
+    torch.testing.assert_close(out, x * 2)
+
+
+@pytest.mark.parametrize(
+    ("issue", "match"),
+    [
+        (lambda x: (x + 1) * 2, "more ops than the 1 captured"),
+        (lambda x: x - 1, "captured aten.add.Tensor, the update issued aten.sub.Tensor"),
+        (lambda x: x.clone(), "captured aten.add.Tensor, the update issued aten.clone"),
+        (lambda x: None, "issued 0 ops, the capture recorded 1"),
+        (lambda x: SMALL + 1, "input shapes"),
+    ],
+)
+def test_task_update_must_issue_the_same_ops(host, issue, match):
+    x = torch.arange(4.0)
+    graph, handle, out = _group(host, lambda: x + 1)
+    before = list(graph.ops)
+    with pytest.raises(TaskUpdateError, match=match):
+        host.update_tasks(graph, [(handle, lambda: issue(x))])
+    assert graph.ops == before  # nothing half-applied
+    host.replay(graph)
+    torch.testing.assert_close(out, x + 1)
+
+
+def test_view_length_changes_are_refused(host):
+    x = torch.arange(8.0)
+    graph, handle, _ = _group(host, lambda: x[:4] * 2)
+    with pytest.raises(TaskUpdateError, match="shape"):
+        host.update_tasks(graph, [(handle, lambda: x[:5] * 2)])
+    with pytest.raises(TaskUpdateError, match="views its base differently"):
+        host.update_tasks(graph, [(handle, lambda: x[1:5] * 2)])
+
+
+def test_update_during_capture_is_refused(host):
+    graph, handle, _ = _group(host, lambda: torch.ones(2) * 3)
+    other = host.new_graph()
+    with host.capture(other), pytest.raises(GraphCaptureError, match="task update while"):
+        host.update_tasks(graph, [(handle, None)])
+
+
+def test_memory_in_use_counts_captured_tensors(host):
+    before = host.memory_in_use()
+    graph, _ = capture(host, lambda: torch.ones(1024) * 2)
+    assert host.memory_in_use() - before >= 1024 * 4
+    assert graph.nbytes() >= 1024 * 4

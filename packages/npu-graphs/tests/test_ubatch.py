@@ -1,0 +1,132 @@
+"""MicroBatchRunner: split runs equal the unsplit batch, eagerly and as a captured graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from npu_graphs_cases import segment_mix
+
+from npu_graphs import MicroBatchRunner, RuntimeMode, TaskRegistry, graph_dispatch
+
+HIDDEN = 16
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def make_layers(device, count=3):
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(HIDDEN, HIDDEN, generator=generator) / 4).to(device) for _ in range(count)]
+
+
+def overlapped_model(layers, trace=None):
+    """Per layer: compute, then a 'collective' on the comm stream, handing the turn over."""
+
+    def run(x, ctx):
+        for i, weight in enumerate(layers):
+            x = torch.tanh(x @ weight)
+            if trace is not None:
+                trace.append((ctx.index, i))
+            with ctx.communicate():
+                x = x * 0.5 + 1.0  # stands for an all-reduce
+            ctx.yield_turn()
+        return x
+
+    return run
+
+
+def unsplit(layers, x):
+    for weight in layers:
+        x = torch.tanh(x @ weight) * 0.5 + 1.0
+    return x
+
+
+def test_split_equals_unsplit_and_threads_take_turns(backend, device):
+    layers = make_layers(device)
+    trace = []
+    runner = MicroBatchRunner(overlapped_model(layers, trace), backend=backend)
+    x = torch.randn(10, HIDDEN).to(device)
+    torch.testing.assert_close(runner(x, [4, 6]), unsplit(layers, x), **TOL)
+    assert trace == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+
+
+def test_no_split_runs_one_batch(backend, device):
+    layers = make_layers(device)
+    trace = []
+    runner = MicroBatchRunner(overlapped_model(layers, trace), backend=backend)
+    x = torch.randn(5, HIDDEN).to(device)
+    torch.testing.assert_close(runner(x), unsplit(layers, x), **TOL)
+    torch.testing.assert_close(runner(x, [5]), unsplit(layers, x), **TOL)
+    assert {index for index, _ in trace} == {0}
+
+
+def test_overlap_is_captured_once_per_split_and_replayed(backend, device):
+    layers = make_layers(device)
+    trace = []
+    runner = MicroBatchRunner(overlapped_model(layers, trace), backend=backend)
+    static = torch.zeros(12, HIDDEN, device=device)
+    for seed in range(3):
+        x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(device)
+        static.copy_(x)
+        with graph_dispatch(RuntimeMode.FULL, 12):
+            out = runner(static, [5, 7]).clone()
+        torch.testing.assert_close(out, unsplit(layers, x), **TOL)
+    assert runner.has_graph(12, [5, 7])
+    assert len(trace) == 6 * (1 + backend.warmup_runs)  # Python ran at capture only
+
+
+def test_tasks_inside_micro_batches_are_updatable(backend, device):
+    if not backend.supports_task_update:
+        pytest.skip("host-list step arguments need task update")
+    registry = TaskRegistry("main")
+    step = {"seq_lens": [3, 3]}
+
+    def run(x, ctx):
+        return registry.call(segment_mix, x, step=step)
+
+    runner = MicroBatchRunner(run, backend=backend, tasks=registry)
+    static = torch.randn(12, HIDDEN).to(device)
+    with graph_dispatch(RuntimeMode.FULL, 12):
+        runner(static, [6, 6])
+    key = (12, (6, 6))
+    assert registry.num_tasks(key) == 2
+    registry.update(key, {"seq_lens": [1, 5]})
+    with graph_dispatch(RuntimeMode.FULL, 12):
+        out = runner(static, [6, 6]).clone()
+    expected = torch.cat([segment_mix(part, seq_lens=[1, 5]) for part in static.split(6)])
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_tuple_inputs_and_outputs(backend, device):
+    runner = MicroBatchRunner(lambda xs, ctx: (xs[0] + xs[1], xs[0] * 2), backend=backend)
+    a, b = torch.randn(6, 3).to(device), torch.randn(6, 3).to(device)
+    total, double = runner((a, b), [2, 4])
+    torch.testing.assert_close(total, a + b)
+    torch.testing.assert_close(double, a * 2)
+
+
+def test_errors_in_a_micro_batch_reach_the_caller(backend, device):
+    def run(x, ctx):
+        if ctx.index == 1:
+            raise RuntimeError("micro-batch 1 failed")
+        ctx.yield_turn()
+        return x
+
+    runner = MicroBatchRunner(run, backend=backend)
+    with pytest.raises(RuntimeError, match="micro-batch 1 failed"):
+        runner(torch.zeros(4, 2).to(device), [2, 2])
+
+
+@pytest.mark.parametrize(
+    ("splits", "match"),
+    [([2, 3], "add up to 5, the batch has 6"), ([6, 0], "ints >= 1"), ([7], "do not add up")],
+)
+def test_bad_splits(splits, match):
+    runner = MicroBatchRunner(lambda x, ctx: x, backend="host")
+    with pytest.raises(ValueError, match=match):
+        runner(torch.zeros(6, 2), splits)
+
+
+def test_bad_runnable_and_inputs():
+    with pytest.raises(TypeError, match="runnable must be callable"):
+        MicroBatchRunner(None, backend="host")
+    with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
+        MicroBatchRunner(lambda x, ctx: x, backend="host")([1, 2], [1, 1])
