@@ -147,7 +147,9 @@ class MicroBatchRunner:
         if splits is None or len(splits) < 2:
             if splits is not None and sum(splits) != num_tokens:
                 raise ValueError(f"splits {list(splits)} do not add up to {num_tokens} tokens")
-            single = MicroBatchContext(0, 1, self.backend, *self._stream_pair(0), None)
+            comm_stream = self._stream_pair(0)[1]
+            current = self.backend.current_stream()
+            single = MicroBatchContext(0, 1, self.backend, current, comm_stream, None)
             return self.runnable(inputs, single)
         splits = tuple(splits)
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in splits):

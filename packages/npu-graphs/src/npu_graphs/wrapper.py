@@ -149,13 +149,13 @@ class GraphWrapper:
         """
         if key in self._entries:
             raise ValueError(f"{self.name}: key {key!r} is already captured; reset() it first")
-        for _ in range(self.backend.warmup_runs):
-            self.runnable(*args, **kwargs)
         graph = self.backend.new_graph()
         session = CaptureSession(
             self.backend, graph, key, self.mode, self.stream, self.name, self.tasks
         )
         try:
+            for _ in range(self.backend.warmup_runs):
+                self.runnable(*args, **kwargs)
             outputs = self._run_capture(session, args, kwargs)
             for registry in session.registries:
                 registry.commit_capture(session)
