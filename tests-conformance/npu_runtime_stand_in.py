@@ -31,6 +31,7 @@ imports this module.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -80,7 +81,8 @@ class NpuRuntime(Launcher):
 
     def __init__(self, api: PythonApi, log: CallLog) -> None:
         self.api, self.log = api, log
-        self.default_stream = StandInStream(self, "default")
+        self.classes = _bound_classes(self)
+        self.default_stream = self.classes["Stream"].internal("default")
         self.current_stream = self.default_stream
         self.side_stream: StandInStream | None = None
         self.capture: _Capture | None = None
@@ -89,7 +91,7 @@ class NpuRuntime(Launcher):
 
     def new_stream(self) -> StandInStream:
         self._streams += 1
-        return StandInStream(self, f"stream{self._streams}")
+        return self.classes["Stream"].internal(f"stream{self._streams}")
 
     def check(self, qualname: str, signature: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         arguments = bind_python(signature, qualname, args, kwargs)
@@ -274,8 +276,19 @@ def _deferred_result(op: _Op) -> Any:
 class StandInStream:
     """``torch.npu.Stream``."""
 
-    def __init__(self, runtime: NpuRuntime, name: str) -> None:
-        self._runtime, self.name = runtime, name
+    _runtime: NpuRuntime  # set on the runtime's bound subclass
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("Stream", "__call__", args, kwargs)
+        self._runtime._streams += 1
+        self.name = f"stream{self._runtime._streams}"
+
+    @classmethod
+    def internal(cls, name: str) -> StandInStream:
+        """A stream the runtime makes itself (not a user call)."""
+        stream = cls.__new__(cls)
+        stream.name = name
+        return stream
 
     def _check(self, method: str, args: tuple, kwargs: dict) -> dict[str, Any]:
         return self._runtime.check_method("Stream", method, args, kwargs)
@@ -288,7 +301,7 @@ class StandInStream:
 
     def record_event(self, *args: Any, **kwargs: Any) -> StandInEvent:
         event = self._check("record_event", args, kwargs)["event"]
-        return event if event is not None else StandInEvent(self._runtime)
+        return event if event is not None else self._runtime.classes["Event"]()
 
     def query(self, *args: Any, **kwargs: Any) -> bool:
         self._check("query", args, kwargs)
@@ -305,9 +318,10 @@ class StandInStream:
 class StandInEvent:
     """``torch.npu.Event``."""
 
-    def __init__(self, runtime: NpuRuntime, *args: Any, **kwargs: Any) -> None:
-        self._runtime = runtime
-        runtime.check_method("Event", "__call__", args, kwargs)
+    _runtime: NpuRuntime
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("Event", "__call__", args, kwargs)
 
     def record(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("Event", "record", args, kwargs)
@@ -327,10 +341,11 @@ class StandInEvent:
 class StandInExternalEvent:
     """``torch.npu.ExternalEvent``: orders a task update before the next replay."""
 
-    def __init__(self, runtime: NpuRuntime, *args: Any, **kwargs: Any) -> None:
-        self._runtime = runtime
+    _runtime: NpuRuntime
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.groups: list[TaskGroup] = []
-        runtime.check_method("ExternalEvent", "__call__", args, kwargs)
+        self._runtime.check_method("ExternalEvent", "__call__", args, kwargs)
 
     def _stream(self, method: str, args: tuple, kwargs: dict) -> StandInStream:
         stream = self._runtime.check_method("ExternalEvent", method, args, kwargs)["stream"]
@@ -356,9 +371,10 @@ class StandInExternalEvent:
 class StandInGraph:
     """``torch.npu.NPUGraph``: recorded torch_npu ops, replayed on CPU."""
 
-    def __init__(self, runtime: NpuRuntime, *args: Any, **kwargs: Any) -> None:
-        self._runtime = runtime
-        runtime.check_method("NPUGraph", "__call__", args, kwargs)
+    _runtime: NpuRuntime
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._runtime.check_method("NPUGraph", "__call__", args, kwargs)
         self.ops: list[_Op] = []
         self.groups: list[TaskGroup] = []
         self.captured = False
@@ -397,6 +413,8 @@ class StandInNpuNamespace(types.ModuleType):
     def __init__(self, runtime: NpuRuntime) -> None:
         super().__init__("torch.npu")
         self.runtime = runtime
+        for name, cls in runtime.classes.items():
+            setattr(self, name, cls)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -404,44 +422,6 @@ class StandInNpuNamespace(types.ModuleType):
         if name in self.runtime.api.exported:
             raise NotModeled(f"torch.npu.{name}")
         raise SchemaViolation(f"torch.npu has no attribute {name!r} in torch_npu's Python API")
-
-    # -- classes --------------------------------------------------------------------
-    def Stream(self, *args: Any, **kwargs: Any) -> StandInStream:
-        self.runtime.check_method("Stream", "__call__", args, kwargs)
-        return self.runtime.new_stream()
-
-    def Event(self, *args: Any, **kwargs: Any) -> StandInEvent:
-        return StandInEvent(self.runtime, *args, **kwargs)
-
-    def ExternalEvent(self, *args: Any, **kwargs: Any) -> StandInExternalEvent:
-        return StandInExternalEvent(self.runtime, *args, **kwargs)
-
-    def NPUGraph(self, *args: Any, **kwargs: Any) -> StandInGraph:
-        return StandInGraph(self.runtime, *args, **kwargs)
-
-    @contextlib.contextmanager
-    def graph(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        runtime = self.runtime
-        arguments = runtime.check_method("graph", "__call__", args, kwargs)
-        if arguments["auto_dispatch_capture"]:
-            raise NotModeled("torch.npu.graph(auto_dispatch_capture=True)")
-        stream = arguments["stream"]
-        if stream is None:
-            if runtime.side_stream is None:
-                runtime.side_stream = runtime.new_stream()
-            stream = runtime.side_stream
-        graph = arguments["npu_graph"]
-        _expect(isinstance(graph, StandInGraph), "torch.npu.graph needs a torch.npu.NPUGraph")
-        _expect(runtime.capture is None, "torch.npu.graph inside another capture")
-        previous, runtime.current_stream = runtime.current_stream, stream
-        try:
-            runtime.begin_capture(graph, stream, arguments["capture_error_mode"])
-            yield
-            runtime.end_capture(graph)
-        finally:
-            runtime.current_stream = previous
-            if runtime.capture is not None and runtime.capture.graph is graph:
-                runtime.capture = None  # a failed capture leaves nothing behind
 
     # -- functions --------------------------------------------------------------------
     def current_stream(self, *args: Any, **kwargs: Any) -> StandInStream:
@@ -516,6 +496,90 @@ class StandInNpuNamespace(types.ModuleType):
     def memory_allocated(self, *args: Any, **kwargs: Any) -> int:
         self.runtime.check_function("memory_allocated", args, kwargs)
         return 0
+
+    def mem_get_info(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        self.runtime.check_function("mem_get_info", args, kwargs)
+        return 48 << 30, 64 << 30  # free, total
+
+    def empty_cache(self, *args: Any, **kwargs: Any) -> None:
+        self.runtime.check_function("empty_cache", args, kwargs)
+
+
+def _bound_classes(runtime: NpuRuntime) -> dict[str, type]:
+    """The ``torch.npu`` classes, bound to ``runtime`` (one set per stand-in)."""
+    classes = {
+        name: type(name, (base,), {"_runtime": runtime})
+        for name, base in (
+            ("Stream", StandInStream),
+            ("Event", StandInEvent),
+            ("ExternalEvent", StandInExternalEvent),
+            ("NPUGraph", StandInGraph),
+        )
+    }
+    classes["graph"] = _graph_context_class(runtime)
+    classes["device"] = _device_context_class(runtime)
+    return classes
+
+
+def _with_self(signature: inspect.Signature) -> inspect.Signature:
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+
+
+def _graph_context_class(runtime: NpuRuntime) -> type:
+    """``torch.npu.graph``: a class whose ``__init__`` has torch_npu's signature."""
+
+    class graph:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._arguments = runtime.check_method("graph", "__call__", args, kwargs)
+            self._previous: StandInStream | None = None
+
+        def __enter__(self) -> None:
+            arguments = self._arguments
+            if arguments["auto_dispatch_capture"]:
+                raise NotModeled("torch.npu.graph(auto_dispatch_capture=True)")
+            stream = arguments["stream"]
+            if stream is None:
+                if runtime.side_stream is None:
+                    runtime.side_stream = runtime.new_stream()
+                stream = runtime.side_stream
+            graph = arguments["npu_graph"]
+            _expect(isinstance(graph, StandInGraph), "torch.npu.graph needs a torch.npu.NPUGraph")
+            self._previous, runtime.current_stream = runtime.current_stream, stream
+            try:
+                runtime.begin_capture(graph, stream, arguments["capture_error_mode"])
+            except BaseException:
+                runtime.current_stream = self._previous
+                raise
+
+        def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+            graph = self._arguments["npu_graph"]
+            try:
+                if exc_type is None:
+                    runtime.end_capture(graph)
+            finally:
+                runtime.current_stream = self._previous
+                if runtime.capture is not None and runtime.capture.graph is graph:
+                    runtime.capture = None  # a failed capture leaves nothing behind
+
+    graph.__init__.__signature__ = _with_self(runtime.api.method("graph", "__call__"))
+    return graph
+
+
+def _device_context_class(runtime: NpuRuntime) -> type:
+    """``torch.npu.device``: selects the (only) device; a no-op here."""
+
+    class device:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            runtime.check_method("device", "__call__", args, kwargs)
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *args: Any) -> None:
+            return None
+
+    return device
 
 
 def _expect(condition: bool, message: str) -> None:
