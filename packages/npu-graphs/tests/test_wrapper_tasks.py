@@ -88,6 +88,37 @@ def test_unchanged_step_reissues_nothing(backend, device):
     assert engine.registry.update(4, step) is (not backend.supports_task_update)
     assert engine.registry.update(4, step) is (not backend.supports_task_update)
     assert engine.registry.update(4, make_step(backend, [1, 3], MAX_REQS, device)) is True
+    assert engine.registry.update(4, step, changed=False) is False
+    assert engine.registry.update(4, step, changed=True) is True
+    torch.testing.assert_close(engine.step(x, [4], update=False), engine.reference(x, [4]), **TOL)
+
+
+def test_step_comparison_sees_changes_inside_nested_values():
+    from npu_graphs.tasks import _equal, _freeze
+
+    step = {
+        "seq_lens": [3, 1],
+        "block_table": [[1, 2], [3, 4]],
+        "flag": True,
+        "lens": torch.tensor([3, 1]),
+    }
+    same = {
+        "seq_lens": [3, 1],
+        "block_table": [[1, 2], [3, 4]],
+        "flag": True,
+        "lens": torch.tensor([3, 1]),
+    }
+    assert _equal(_freeze(step), _freeze(same))
+    for name, value in [
+        ("seq_lens", [3, 2]),
+        ("block_table", [[1, 2], [3, 5]]),
+        ("flag", False),
+        ("lens", torch.tensor([3, 2])),
+    ]:
+        assert not _equal(_freeze(step), _freeze({**step, name: value})), name
+    frozen = _freeze(step)
+    step["block_table"][1][1] = 9  # mutated in place after the snapshot
+    assert not _equal(frozen, _freeze(step))
 
 
 def test_piecewise_wrappers_inside_full_capture_run_eagerly(backend, device):

@@ -211,11 +211,13 @@ class TaskRegistry:
             self._graphs.pop(key, None)
 
     # -- per step -------------------------------------------------------------------
-    def update(self, key: Hashable, step: Any) -> bool:
+    def update(self, key: Hashable, step: Any, *, changed: bool | None = None) -> bool:
         """Bring every task captured under ``key`` to ``step``; call once per step before replay.
 
         Returns True if tasks were re-issued, False if ``step`` equals the last step
         applied (then nothing is re-issued; the tasks are only released for replay).
+        ``changed`` skips that comparison when the caller knows the answer: True
+        re-issues, False only releases (the caller vouches the step is the last one).
 
         Raises:
             GraphCaptureError: called while a capture is under way.
@@ -233,15 +235,17 @@ class TaskRegistry:
                 f"task registry {self.name!r}: no graph captured for key {key!r}; captured keys: "
                 f"{sorted(map(repr, self._graphs))}"
             )
-        frozen = _freeze(step)
-        changed = False
+        frozen = _freeze(step) if changed is None else _NEVER_EQUAL
+        reissued = False
         for graph_tasks in graphs:
-            changed |= self._update_graph(graph_tasks, step, frozen)
-        return changed
+            reissued |= self._update_graph(graph_tasks, step, frozen, changed)
+        return reissued
 
-    def _update_graph(self, graph_tasks: _GraphTasks, step: Any, frozen: Any) -> bool:
+    def _update_graph(
+        self, graph_tasks: _GraphTasks, step: Any, frozen: Any, changed: bool | None
+    ) -> bool:
         _fill(graph_tasks)
-        if _equal(frozen, graph_tasks.last_step):
+        if changed is False or (changed is None and _equal(frozen, graph_tasks.last_step)):
             self._release(graph_tasks)
             return False
         copied: set[int] = set()
@@ -376,36 +380,59 @@ class _Unequal:
 
     __slots__ = ()
 
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _FrozenTensor:
+    """A CPU tensor snapshot that compares by value."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach().clone()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _FrozenTensor):
+            return False
+        a, b = self.tensor, other.tensor
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
 
 def _freeze(value: Any) -> Any:
-    """An immutable snapshot of a step value, for ``_equal`` (lists copied, tensors cloned)."""
+    """An immutable snapshot of a step value that compares with ``==`` (see ``_equal``).
+
+    Lists become tuples (flat lists of scalars in one C-level pass), CPU tensors are
+    cloned, device tensors never compare equal (that would synchronize).
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is list or kind is tuple:
+        if _SCALARS.issuperset(map(type, value)):
+            return tuple(value)
+        return tuple(map(_freeze, value))
     if isinstance(value, torch.Tensor):
-        return value.detach().clone() if value.device.type == "cpu" else _Unequal()
+        return _FrozenTensor(value) if value.device.type == "cpu" else _Unequal()
     if isinstance(value, Mapping):
         return ("mapping", tuple((k, _freeze(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_freeze(v) for v in value))
+        return tuple(map(_freeze, value))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = dataclasses.fields(value)
-        return (type(value), tuple(_freeze(getattr(value, f.name)) for f in fields))
+        return (kind, tuple(_freeze(getattr(value, f.name)) for f in fields))
     if hasattr(value, "__array__") and hasattr(value, "dtype"):
         return ("array", str(value.dtype), tuple(value.shape), value.tobytes())
     return value
 
 
 def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, _Unequal) or isinstance(b, _Unequal):
-        return False
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if type(a) is not type(b):
-        return False
-    return bool(a == b)
+    """Equality of two frozen values (C-level tuple comparison)."""
+    return type(a) is type(b) and bool(a == b)
