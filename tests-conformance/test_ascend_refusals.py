@@ -44,6 +44,8 @@ def _plan(case, provider: str, **batch_changes):
         ({"block_size": 64}, ValueError, "needs block_size=128 .*got block_size=64"),
         ({"dtype": torch.float32}, TypeError, "needs dtype in"),
         ({"causal": False, "sliding_window": 8}, ValueError, "sliding_window only with causal"),
+        ({"num_heads": 520, "num_kv_heads": 260}, ValueError, "needs num_heads <= 256"),
+        ({"num_heads": 130, "num_kv_heads": 2}, ValueError, "num_kv_heads <= 64"),
     ],
 )
 def test_unsupported_spec_is_refused_in_plan(stand_in, host_ascend, change, error, message):

@@ -30,7 +30,8 @@ Operators, one per job:
 Unsupported here, refused with ``ValueError`` in ``prepare`` (once per step):
 ``logits_soft_cap`` (the fused op has no soft cap; a silent fallback would hide a
 slow path), block sizes other than 128 (paged mode of the fused op takes
-multiples of 128 only) and a sliding window on non-causal attention. ``float32``
+multiples of 128 only), more than 256 heads or more than 64 query heads per KV
+head (the fused op's limits) and a sliding window on non-causal attention. ``float32``
 is refused with ``TypeError`` (the fused op takes float16 / bfloat16).
 
 Known gap in the documentation: for single-token queries the op documents
@@ -65,6 +66,8 @@ SPARSE_CAUSAL = 3  # rightDownCausal: bottom-right aligned causal, 2048 mask
 SPARSE_BAND = 4  # band: pre_tokens / next_tokens around the bottom-right diagonal
 MAX_TOKENS = 2147483647  # the ops' default for pre_tokens / next_tokens
 ASCEND_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEADS = 256  # fused attention: N <= 256
+MAX_QUERIES_PER_KV = 64  # fused attention: num_heads / num_key_value_heads <= 64
 
 
 def torch_npu_module() -> ModuleType:
@@ -283,6 +286,12 @@ def check_spec(spec: AttentionSpec) -> None:
         )
     if spec.dtype not in ASCEND_DTYPES:
         raise TypeError(f"the ascend provider needs dtype in {ASCEND_DTYPES}, got {spec.dtype}")
+    if spec.num_heads > MAX_HEADS or spec.num_queries_per_kv > MAX_QUERIES_PER_KV:
+        raise ValueError(
+            f"the ascend provider needs num_heads <= {MAX_HEADS} and num_heads / num_kv_heads "
+            f"<= {MAX_QUERIES_PER_KV} (fused attention limits), got num_heads={spec.num_heads}, "
+            f"num_kv_heads={spec.num_kv_heads}"
+        )
     if spec.sliding_window is not None and not spec.causal:
         raise ValueError(
             "the ascend provider supports sliding_window only with causal attention, "
