@@ -108,6 +108,20 @@ def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _aliases_inputs(outputs: Any, args: tuple, kwargs: dict) -> bool:
+    """True if every tensor output shares storage with some tensor input."""
+    inputs = {
+        leaf.untyped_storage().data_ptr()
+        for leaf in tree_leaves((args, kwargs))
+        if isinstance(leaf, torch.Tensor)
+    }
+    return all(
+        leaf.untyped_storage().data_ptr() in inputs
+        for leaf in tree_leaves(outputs)
+        if isinstance(leaf, torch.Tensor)
+    )
+
+
 def _backend_keys(args: tuple, kwargs: dict) -> Any:
     below_python = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
     for leaf in tree_leaves((args, kwargs)):
@@ -258,7 +272,12 @@ class _Recorder(TorchDispatchMode):
             return self._update.issue(func, args, kwargs)
         outputs = func(*args, **kwargs)
         _check_no_host_values(func, outputs)
-        self._graph.append(_Op(func, args, kwargs, outputs, _kind_of(func)))
+        kind = _kind_of(func)
+        if kind is _Kind.VIEW and not _aliases_inputs(outputs, args, kwargs):
+            # Composite ops such as aten.to / aten.reshape carry alias annotations but
+            # copy when they must (a dtype change, a non-viewable shape): redo those.
+            kind = _Kind.COMPUTE
+        self._graph.append(_Op(func, args, kwargs, outputs, kind))
         return outputs
 
     def _record_below(self, func: Any, args: tuple, kwargs: dict) -> Any:
