@@ -1,9 +1,14 @@
 """Host mode: vLLM's CPU platform with the bridge's attention and graph wiring.
 
 Selected with ``NPU_BRIDGE_DEVICE=cpu``. It runs the same attention backend
-(``npu_attention``'s ``reference`` provider) and the same graph capture,
-dispatch, task update and replay as the NPU platform, with npu-graphs'
-``host`` backend, so both can be developed and tested without an NPU.
+(npu-attention's ``reference`` kernels) and the same graph capture, dispatch,
+task update and replay as the NPU platform, with npu-graphs' ``host`` backend,
+so both can be developed and tested without an NPU.
+
+Graph modes: FULL_DECODE_ONLY. PIECEWISE (and so FULL_AND_PIECEWISE) needs vLLM's
+torch.compile path, whose CPU build emits inductor C++ kernels that a host graph
+(a recording of aten ops) cannot see; with graphs on, host mode therefore turns
+torch.compile off and vLLM resolves the mode to FULL_DECODE_ONLY.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+HOST_WORKER = "npu_vllm_bridge.worker.host.HostWorker"
+GRAPH_WRAPPER = "npu_vllm_bridge.graphs.wrapper.BridgeGraphWrapper"
+
 
 class HostPlatform(CpuPlatform):
-    """vLLM's ``CpuPlatform`` whose attention backend is the bridge's."""
+    """vLLM's ``CpuPlatform`` whose attention backend and graphs are the bridge's."""
 
     attention_provider: str = "reference"
+    graph_decode_provider: str = "reference_fixed_decode"
     graph_backend: str = "host"
 
     @classmethod
@@ -39,6 +48,30 @@ class HostPlatform(CpuPlatform):
         return checks.backend_for_selector(attn_selector_config)
 
     @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        return GRAPH_WRAPPER
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
         checks.check_model_and_options(vllm_config)
-        super().check_and_update_config(vllm_config)
+        compilation = vllm_config.compilation_config
+        capture_sizes = list(compilation.cudagraph_capture_sizes or [])
+        super().check_and_update_config(vllm_config)  # empties the capture sizes
+        if compilation.cudagraph_mode != CUDAGraphMode.NONE:
+            compilation.cudagraph_capture_sizes = capture_sizes
+            if compilation.mode != CompilationMode.NONE:
+                logger.info(
+                    "npu-vllm-bridge host mode: torch.compile off (host graphs record aten "
+                    "ops, not inductor kernels); graphs run as FULL_DECODE_ONLY"
+                )
+                compilation.mode = CompilationMode.NONE
+            checks.check_graph_config(vllm_config)
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
+            parallel.worker_cls = HOST_WORKER

@@ -1,0 +1,47 @@
+"""Process-wide graph counters: what was captured, replayed and updated."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class GraphCounters:
+    """Counts since start-up (or the last :func:`reset_graph_counters`).
+
+    Attributes:
+        captured: graphs captured (FULL and PIECEWISE pieces).
+        replayed_steps: model forwards served by replaying a FULL graph.
+        replayed_pieces: PIECEWISE piece replays.
+        task_updates: FULL replays preceded by a re-issue of the attention tasks
+            with the step's plan (a replay whose step equals the previous one
+            needs none).
+        eager_steps: model forwards that ran eagerly (no graph for the size, a
+            mixed batch under FULL_DECODE_ONLY, or graphs off).
+        capture_bytes: memory the captured graphs hold (backend's own accounting).
+    """
+
+    captured: int = 0
+    replayed_steps: int = 0
+    replayed_pieces: int = 0
+    task_updates: int = 0
+    eager_steps: int = 0
+    capture_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+_COUNTERS = GraphCounters()
+
+
+def graph_counters() -> GraphCounters:
+    """The live counters of this process."""
+    return _COUNTERS
+
+
+def reset_graph_counters() -> None:
+    """Zero every counter (tests and benchmarks)."""
+    global _COUNTERS
+    for name, value in GraphCounters().as_dict().items():
+        setattr(_COUNTERS, name, value)

@@ -1,0 +1,144 @@
+"""vLLM's static graph wrapper over ``npu_graphs.GraphWrapper``.
+
+vLLM sets, per forward, a ``CUDAGraphMode`` runtime mode and a ``BatchDescriptor``
+in its forward context. This wrapper maps them to npu-graphs' ``RuntimeMode`` and
+batch key: a wrapper whose mode matches captures the key on first sight (during
+start-up capture) and replays it afterwards; before a FULL replay it re-issues the
+captured attention tasks with the step's plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
+from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.forward_context import get_forward_context, is_forward_context_available
+
+from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, get_backend, graph_dispatch
+from npu_vllm_bridge.graphs.counters import graph_counters
+
+_RUNTIME_MODES = {
+    CUDAGraphMode.FULL: RuntimeMode.FULL,
+    CUDAGraphMode.PIECEWISE: RuntimeMode.PIECEWISE,
+}
+
+
+def graph_backend_name() -> str:
+    """The npu-graphs backend of the current platform (``npu`` or ``host``)."""
+    from vllm.platforms import current_platform
+
+    name = getattr(current_platform, "graph_backend", None)
+    if name is None:
+        raise ValueError(
+            f"platform {type(current_platform).__name__} names no npu-graphs backend "
+            "(its graph_backend attribute); the bridge's graph wrapper needs one"
+        )
+    return name
+
+
+class BridgeGraphWrapper:
+    """Static graph wrapper for vLLM 0.32 (``Platform.get_static_graph_wrapper_cls``).
+
+    Args:
+        runnable: the model (FULL) or a piece of the compiled model (PIECEWISE).
+        vllm_config: vLLM's config.
+        runtime_mode: ``CUDAGraphMode.FULL`` or ``CUDAGraphMode.PIECEWISE``.
+        num_attention_layers: attention tasks each FULL capture must record
+            (checked at capture); ``None`` to skip the check.
+        **kwargs: vLLM's wrapper options (``cudagraph_options``), accepted and unused.
+    """
+
+    _all_instances: ClassVar[list[BridgeGraphWrapper]] = []
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        vllm_config: VllmConfig,
+        runtime_mode: CUDAGraphMode,
+        num_attention_layers: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if runtime_mode not in _RUNTIME_MODES:
+            raise ValueError(
+                f"a graph wrapper runs FULL or PIECEWISE graphs, got runtime_mode={runtime_mode}"
+            )
+        self.runnable = runnable
+        self.vllm_config = vllm_config
+        self.runtime_mode = runtime_mode
+        self.graph_mode = _RUNTIME_MODES[runtime_mode]
+        self.tasks = (
+            TaskRegistry("attention", expected_tasks=num_attention_layers)
+            if runtime_mode == CUDAGraphMode.FULL
+            else None
+        )
+        self.graphs = GraphWrapper(
+            runnable,
+            backend=get_backend(graph_backend_name()),
+            mode=self.graph_mode,
+            tasks=self.tasks,
+            name=f"{type(runnable).__name__}[{runtime_mode.name}]",
+        )
+        BridgeGraphWrapper._all_instances.append(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not is_forward_context_available():
+            return self.runnable(*args, **kwargs)
+        context = get_forward_context()
+        mode = context.cudagraph_runtime_mode
+        if mode != self.runtime_mode:
+            if self.runtime_mode == CUDAGraphMode.FULL and mode == CUDAGraphMode.NONE:
+                graph_counters().eager_steps += 1
+            return self.runnable(*args, **kwargs)
+        key = context.batch_descriptor
+        if key is None:
+            raise ValueError(f"{self.runtime_mode.name} graph dispatch without a batch descriptor")
+        if self.graphs.has_graph(key):
+            self._before_replay(key, context.attn_metadata)
+        else:
+            validate_cudagraph_capturing_enabled()
+            graph_counters().captured += 1
+        with graph_dispatch(self.graph_mode, key):
+            return self.graphs(*args, **kwargs)
+
+    def _before_replay(self, key: Any, attn_metadata: Any) -> None:
+        counters = graph_counters()
+        if self.tasks is None:
+            counters.replayed_pieces += 1
+            return
+        counters.replayed_steps += 1
+        if self.tasks.num_tasks(key) and self.tasks.update(key, step_plan(attn_metadata)):
+            counters.task_updates += 1
+
+    def has_graph(self, key: Any) -> bool:
+        return self.graphs.has_graph(key)
+
+    def clear_graphs(self) -> None:
+        self.graphs.reset()
+
+    def unwrap(self) -> Callable[..., Any]:
+        runnable = self.runnable
+        return runnable.unwrap() if hasattr(runnable, "unwrap") else runnable
+
+    def __getattr__(self, name: str) -> Any:
+        runnable = self.__dict__.get("runnable")
+        if runnable is None:
+            raise AttributeError(name)
+        return getattr(runnable, name)
+
+
+def step_plan(attn_metadata: Any) -> Any:
+    """The one ``npu_attention`` plan of a step, from vLLM's per-layer metadata.
+
+    Raises:
+        ValueError: the layers carry different plans (several KV-cache groups), which
+            FULL graphs of the bridge do not support.
+    """
+    values = attn_metadata.values() if isinstance(attn_metadata, dict) else [attn_metadata]
+    plans = {id(m.plan): m.plan for m in values if hasattr(m, "plan")}
+    if len(plans) != 1:
+        raise ValueError(
+            f"FULL graphs need one attention plan per step (one KV-cache group), got {len(plans)}"
+        )
+    return next(iter(plans.values()))

@@ -1,0 +1,1 @@
+"""Workers and model runners: host (vLLM's CPU ones + graph wiring) and NPU."""
