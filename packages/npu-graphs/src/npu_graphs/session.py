@@ -35,8 +35,8 @@ class CaptureSession:
     name: str = "graph"
     default_registry: TaskRegistry | None = None
     registries: list[TaskRegistry] = field(default_factory=list)
-    # id(step value) -> (value, fixed buffer): tasks handed the same tensor share a buffer.
-    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Device tensors handed to tasks as step arguments: they are the fixed buffers.
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     in_task: bool = False
 
     def join(self, registry: TaskRegistry) -> None:
@@ -44,10 +44,12 @@ class CaptureSession:
             self.registries.append(registry)
 
     def buffer_for(self, value: torch.Tensor) -> torch.Tensor:
-        entry = self.buffers.get(id(value))
-        if entry is None:
-            entry = self.buffers[id(value)] = (value, self.backend.allocate_static(value))
-        return entry[1]
+        """The fixed buffer for a device step tensor: the tensor itself, kept alive.
+
+        It must come from outside the capture (step inputs do): memory allocated inside
+        a capture may be written by the graph's own earlier ops during replay.
+        """
+        return self.buffers.setdefault(id(value), value)
 
     def describe(self) -> str:
         return f"{self.name} (key={self.key!r}, mode={self.mode.name})"

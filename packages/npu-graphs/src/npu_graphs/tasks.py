@@ -10,8 +10,11 @@ that key's graphs to the new step:
 * host values (ints, lists, host tensors) are re-issued through the backend's task
   update (NPU task groups; host graphs). CUDA graphs cannot do that: a task meant for
   CUDA takes its step state as device tensors only.
-* device tensors live in fixed buffers allocated at capture; the update copies the new
-  values into them (tasks handed the same tensor share one buffer and one copy).
+* device tensors handed to tasks at capture are their fixed buffers (FlashInfer's
+  caller-owned buffers: allocate them outside the capture, as step inputs are); the
+  registry keeps them alive and each update copies the new step's tensors into them
+  (tasks handed the same tensor share one buffer and one copy; a step that passes the
+  buffer itself costs no copy).
 
 Nothing is re-issued when the step equals the last one applied.
 """
@@ -76,7 +79,6 @@ class _GraphTasks:
     backend: GraphBackend
     graph: Any
     tasks: list[UpdatableTask]
-    pending_fills: list[tuple[torch.Tensor, torch.Tensor]]
     last_step: Any = None
     armed: bool = False
     capture_step: Any = None  # the step object every task was captured with, if one
@@ -175,7 +177,7 @@ class TaskRegistry:
         entry = self._capturing.get(id(session))
         if entry is None:
             session.join(self)
-            graph_tasks = _GraphTasks(session.backend, session.graph, [], [])
+            graph_tasks = _GraphTasks(session.backend, session.graph, [])
             entry = self._capturing[id(session)] = (session.key, graph_tasks)
         return entry[1]
 
@@ -191,9 +193,6 @@ class TaskRegistry:
             )
         if graph_tasks is None:
             return
-        graph_tasks.pending_fills = [
-            pair for pair in session.buffers.values() if _uses_buffer(graph_tasks, pair[1])
-        ]
         step = graph_tasks.capture_step
         graph_tasks.last_step = _NEVER_EQUAL if step is _NEVER_EQUAL else _freeze(step)
         self._graphs.setdefault(key, []).append(graph_tasks)
@@ -244,7 +243,6 @@ class TaskRegistry:
     def _update_graph(
         self, graph_tasks: _GraphTasks, step: Any, frozen: Any, changed: bool | None
     ) -> bool:
-        _fill(graph_tasks)
         if changed is False or (changed is None and _equal(frozen, graph_tasks.last_step)):
             self._release(graph_tasks)
             return False
@@ -279,7 +277,8 @@ class TaskRegistry:
                     f"task registry {self.name!r}: task {index} step argument {name!r} must be a tensor of shape "
                     f"{tuple(buffer.shape)} (its fixed buffer), got {got}"
                 )
-            buffer.copy_(value, non_blocking=True)
+            if value.data_ptr() != buffer.data_ptr():
+                buffer.copy_(value, non_blocking=True)
             copied.add(id(buffer))
 
     def _check_baked(self, index: int, task: UpdatableTask, host: Mapping[str, Any]) -> None:
@@ -301,10 +300,9 @@ class TaskRegistry:
 
     # -- replay hooks (called by the wrapper around each replay) -------------------------
     def prepare_replay(self, key: Hashable, graph: Any) -> None:
-        """Make the tasks of ``graph`` ready: pending buffer fills, release if not updated."""
+        """Make the tasks of ``graph`` ready: release them if they were not updated."""
         for graph_tasks in self._graphs.get(key, ()):
             if graph_tasks.graph is graph:
-                _fill(graph_tasks)
                 self._release(graph_tasks)
 
     def finish_replay(self, key: Hashable, graph: Any) -> None:
@@ -363,16 +361,6 @@ def _derive(derive: Derive | None, step: Any) -> Mapping[str, Any]:
             f"{source} must be a Mapping of step keyword arguments, got {type(step_kwargs).__name__}"
         )
     return step_kwargs
-
-
-def _uses_buffer(graph_tasks: _GraphTasks, buffer: torch.Tensor) -> bool:
-    return any(b is buffer for t in graph_tasks.tasks for b in t.buffers.values())
-
-
-def _fill(graph_tasks: _GraphTasks) -> None:
-    for value, buffer in graph_tasks.pending_fills:
-        buffer.copy_(value, non_blocking=True)
-    graph_tasks.pending_fills = []
 
 
 class _Unequal:

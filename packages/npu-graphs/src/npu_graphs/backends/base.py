@@ -124,13 +124,6 @@ class GraphBackend(abc.ABC):
     def memory_in_use(self) -> int:
         """Bytes of device memory in use (graph pools included), for capture reports."""
 
-    def allocate_static(self, like: torch.Tensor) -> torch.Tensor:
-        """A fixed buffer shaped like ``like``, allocated during a capture.
-
-        Its contents are filled by the caller before the first replay.
-        """
-        return torch.empty_like(like)
-
     def is_device_tensor(self, value: object) -> bool:
         """True for tensors on this backend's device (step state kept in fixed buffers)."""
         return isinstance(value, torch.Tensor) and value.device.type == self.device_type

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from npu_graphs.backends.base import GraphBackend, TaskUpdate
@@ -434,7 +434,3 @@ class HostGraphBackend(GraphBackend):
 
     def memory_in_use(self) -> int:
         return sum(graph.nbytes() for graph in list(self._graphs) if graph.captured)
-
-    def allocate_static(self, like: torch.Tensor) -> torch.Tensor:
-        with _disable_current_modes():
-            return like.clone()
