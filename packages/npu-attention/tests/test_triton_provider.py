@@ -11,26 +11,18 @@ the tolerance covers only the kernel's own rounding of P and of the output).
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import sys
 
 import pytest
 import torch
+from triton_interpreter import DEVICE, HAS_CUDA
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in [m for m in sys.modules if m.startswith("npu_attention.providers.triton_kernels")]:
-        importlib.reload(sys.modules[name])
+from npu_attention.plan import AttentionPlan
+from npu_attention.providers.triton import TritonProvider, TritonStepData
+from npu_attention.spec import AttentionSpec, BatchState
+
 pytest.importorskip("triton")
 
-from npu_attention.plan import AttentionPlan  # noqa: E402
-from npu_attention.providers.triton import TritonProvider, TritonStepData  # noqa: E402
-from npu_attention.spec import AttentionSpec, BatchState  # noqa: E402
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
@@ -166,6 +158,8 @@ class Batch:
                 visible &= key_pos <= pos
             if spec.sliding_window is not None:
                 visible &= key_pos > pos - spec.sliding_window
+                if not spec.causal:
+                    visible &= key_pos < pos + spec.sliding_window
             scores = scores.masked_fill(~visible, float("-inf"))
             outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
             start += n
@@ -204,6 +198,7 @@ SMALL_CASES = {
     "sliding_window": ({"sliding_window": 7}, [1, 12], [30, 9], 1),
     "soft_cap": ({"logits_soft_cap": 1.5}, [6, 1], [10, 0], 0),
     "non_causal": ({"causal": False}, [7, 4], [0, 5], 0),
+    "non_causal_window": ({"causal": False, "sliding_window": 3}, [9, 4], [0, 20], 0),
     "one_page_tiles": ({"block_size": 64}, [1, 20, 1], [100, 50, 0], 1),
     "head_80_mqa": ({"head_size": 80, "num_heads": 3, "num_kv_heads": 1}, [4, 1], [14, 20], 0),
 }
@@ -365,6 +360,7 @@ def test_gpu_head_sizes_and_groups(head_size: int, heads: tuple[int, int]) -> No
         {"logits_soft_cap": 30.0},
         {"sliding_window": 64, "logits_soft_cap": 5.0},
         {"causal": False},
+        {"causal": False, "sliding_window": 50},
         {"scale": 0.3},
     ],
 )

@@ -53,10 +53,15 @@ class TritonProvider(AttentionProvider):
     device_types: ClassVar[tuple[str, ...]] = ("cuda",)
 
     def __init__(self) -> None:
-        self.min_tokens_per_split = 512
+        self.min_tokens_per_split = 128
         self.target_waves = 2
-        self.decode_launch: dict[str, int] = {"block_n": 64, "num_warps": 4, "num_stages": 2}
-        self.prefill_launch: dict[str, int] = {"block_n": 64, "num_warps": 8, "num_stages": 3}
+        self.decode_launch: dict[str, int] = {"block_n": 64, "num_warps": 2, "num_stages": 3}
+        self.prefill_launch: dict[str, int] = {
+            "block_m": 128,
+            "block_n": 128,
+            "num_warps": 8,
+            "num_stages": 3,
+        }
 
     @classmethod
     def is_available(cls) -> bool:

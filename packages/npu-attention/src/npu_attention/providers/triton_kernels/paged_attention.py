@@ -143,6 +143,8 @@ def _attend_keys(
                 visible = visible & (offs_n[None, :] <= query_pos[:, None])
             if USE_WINDOW:
                 visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
+                if not CAUSAL:  # a band on both sides
+                    visible = visible & (offs_n[None, :] < query_pos[:, None] + window)
             scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -251,6 +253,8 @@ def _paged_attention_kernel(
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(0, first_row_pos - window + 1)
+        if not CAUSAL:
+            kv_hi = tl.minimum(seq_len, last_row_pos + window)
         full_hi = kv_lo  # every tile is masked
     kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
     if SPLIT:
