@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import subprocess
 import sys
 
 import pytest
@@ -117,3 +119,19 @@ def test_available_with_torch_npu_but_only_for_npu_tensors(stand_in) -> None:
     assert type(provider) is AscendProvider
     with pytest.raises(ValueError, match="runs on \\('npu',\\), got tensors on 'cpu'"):
         get_provider("ascend", device="cpu")
+
+
+def test_importing_the_provider_does_not_import_torch_npu() -> None:
+    code = (
+        "import sys, npu_attention.providers.ascend as a; "
+        "assert 'torch_npu' not in sys.modules, 'imported at module load'; "
+        "print(a.AscendProvider.name)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ascend"
