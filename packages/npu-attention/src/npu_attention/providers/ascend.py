@@ -127,11 +127,7 @@ class AscendProvider(AttentionProvider):
         check_spec(plan.spec)
         spec = plan.spec
         n = plan.num_actual_tokens
-        sparse_mode, pre_tokens, next_tokens = SPARSE_NONE, MAX_TOKENS, MAX_TOKENS
-        if spec.causal:
-            sparse_mode, next_tokens = SPARSE_CAUSAL, 0
-            if spec.sliding_window is not None:
-                sparse_mode, pre_tokens = SPARSE_BAND, spec.sliding_window - 1
+        sparse_mode, pre_tokens, next_tokens = sparse_arguments(spec)
         mask = self._causal_mask(plan.device) if spec.causal else None
         slots = plan.slot_mapping[:n]
         if slots.device.type == "cpu" and bool((slots < 0).any()):
@@ -270,6 +266,20 @@ class AscendProvider(AttentionProvider):
             ones = torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.bool, device=device)
             mask = self._masks[device] = torch.triu(ones, diagonal=1)
         return mask
+
+
+def sparse_arguments(spec: AttentionSpec) -> tuple[int, int, int]:
+    """``(sparse_mode, pre_tokens, next_tokens)`` of the fused ops for ``spec``.
+
+    Causal: bottom-right causal (3). A window of ``W`` keys, the query's own
+    included: band (4) with ``W - 1`` tokens before the diagonal and none after.
+    Non-causal: no mask (0).
+    """
+    if not spec.causal:
+        return SPARSE_NONE, MAX_TOKENS, MAX_TOKENS
+    if spec.sliding_window is None:
+        return SPARSE_CAUSAL, MAX_TOKENS, 0
+    return SPARSE_BAND, spec.sliding_window - 1, 0
 
 
 def check_spec(spec: AttentionSpec) -> None:
