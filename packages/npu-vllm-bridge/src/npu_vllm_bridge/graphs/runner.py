@@ -1,33 +1,33 @@
-"""Graph wiring of the model runner: wrap at load, capture at start-up.
+"""Graph wiring of the model runner: wrap at load, profile and capture at start-up.
 
 Mixed into a vLLM ``GPUModelRunner`` subclass (the host one, the NPU one). vLLM's
 own runner already dispatches each step (``CudagraphDispatcher``: padded size,
 FULL / PIECEWISE / NONE) and sets the forward context; the bridge's wrapper reads
 it, updates the attention tasks and replays. What this mixin replaces is what
-vLLM hard-codes to CUDA: the FULL wrapper class and the capture loop.
+vLLM hard-codes to CUDA: the FULL wrapper class, the capture loop and the graph
+memory profile that is subtracted before the KV cache is sized.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
-from vllm.config import CUDAGraphMode, get_layers_from_vllm_config
+from vllm.config import CUDAGraphMode, get_layers_from_vllm_config, set_current_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 
-from npu_graphs import get_backend
+from npu_graphs import GraphBackend, capture_all, get_backend
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
 
 
 class GraphRunnerMixin:
-    """``load_model`` wraps the model for FULL graphs; ``capture_model`` captures them."""
+    """``load_model`` wraps the model for FULL graphs; ``capture_model`` captures them;
+    ``profile_graph_memory`` estimates their memory before the KV cache exists."""
 
     vllm_config: Any
     compilation_config: Any
@@ -46,40 +46,84 @@ class GraphRunnerMixin:
             )
 
     def capture_model(self) -> int:
-        """Capture every (mode, batch descriptor) vLLM's dispatcher will replay.
-
-        Largest sizes first (smaller ones reuse their pool). Returns the bytes the
-        graphs hold, as the backend accounts them.
-        """
-        mode = self.compilation_config.cudagraph_mode
+        """Capture every (mode, batch descriptor) vLLM's dispatcher will replay,
+        largest first, with a progress bar; returns the bytes the graphs hold."""
         groups = self.cudagraph_dispatcher.get_capture_descs()
-        if mode == CUDAGraphMode.NONE or not groups:
+        if self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE or not groups:
             return 0
         backend = get_backend(graph_backend_name())
-        before = backend.memory_in_use()
-        start = time.perf_counter()
+        held = 0
         set_cudagraph_capturing_enabled(True)
         try:
             with torch.inference_mode():
                 for runtime_mode, descs in groups:
-                    self._capture_group(runtime_mode, descs)
+                    held += self._capture_group(backend, runtime_mode, descs).memory_bytes
         finally:
             set_cudagraph_capturing_enabled(False)
-        held = backend.memory_in_use() - before
-        counters = graph_counters()
-        counters.capture_bytes += held
-        counters.eager_steps = 0  # warm-up runs of the capture are not steps
         logger.info(
-            "Captured %d %s graphs (%s) in %.1f s; they hold %.2f MiB",
-            sum(len(d) for _, d in groups),
+            "Captured %d %s graphs (%s): they hold %.2f MiB",
+            sum(len(descs) for _, descs in groups),
             backend.name,
-            mode.name,
-            time.perf_counter() - start,
+            self.compilation_config.cudagraph_mode.name,
             held / 2**20,
         )
+        counters = graph_counters()
+        counters.capture_bytes += held
+        counters.eager_steps = 0  # the capture's warm-up forwards are not steps
         return held
 
-    def _capture_group(self, runtime_mode: CUDAGraphMode, descs: list) -> None:
+    def _capture_group(self, backend: GraphBackend, runtime_mode: CUDAGraphMode, descs: list):
         kind = "decode" if descs[0].uniform else "mixed prefill-decode"
-        for desc in tqdm(descs, desc=f"Capturing graphs ({kind}, {runtime_mode.name})"):
+
+        def capture_one(desc: Any) -> None:
             self._warmup_and_capture(desc, cudagraph_runtime_mode=runtime_mode)  # type: ignore[attr-defined]
+
+        return capture_all(
+            descs,
+            capture_one,
+            backend=backend,
+            desc=f"Capturing {backend.name} graphs ({kind}, {runtime_mode.name})",
+        )
+
+    def profile_graph_memory(self) -> int:
+        """Estimate the memory of all graphs before the KV cache is sized.
+
+        On a minimal KV cache, capture the largest and smallest graph of each mode,
+        fit memory as ``a + b * num_tokens`` and sum it over every size to capture
+        (host graphs keep their own activations; device graphs share one pool, so
+        the sum is an upper bound there). The profiling graphs are dropped after.
+        """
+        if not self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            return 0
+        with set_current_vllm_config(self.vllm_config):
+            self._init_minimal_kv_cache_for_profiling()  # type: ignore[attr-defined]
+        backend = get_backend(graph_backend_name())
+        total = 0
+        set_cudagraph_capturing_enabled(True)
+        try:
+            with torch.inference_mode():
+                for runtime_mode, descs in self.cudagraph_dispatcher.get_capture_descs():
+                    total += self._estimate_group(backend, runtime_mode, descs)
+        finally:
+            set_cudagraph_capturing_enabled(False)
+            for wrapper in BridgeGraphWrapper._all_instances:
+                wrapper.clear_graphs()
+            for key_set in self.cudagraph_dispatcher.cudagraph_keys.values():
+                key_set.clear()
+            self.cudagraph_dispatcher.keys_initialized = False
+            self._cleanup_profiling_kv_cache()  # type: ignore[attr-defined]
+            graph_counters().captured = 0
+        logger.info("Estimated graph memory: %.2f MiB (counted before the KV cache)", total / 2**20)
+        return total
+
+    def _estimate_group(
+        self, backend: GraphBackend, runtime_mode: CUDAGraphMode, descs: list
+    ) -> int:
+        samples = []
+        for desc in {descs[0].num_tokens: descs[0], descs[-1].num_tokens: descs[-1]}.values():
+            before = backend.memory_in_use()
+            self._warmup_and_capture(desc, cudagraph_runtime_mode=runtime_mode)  # type: ignore[attr-defined]
+            samples.append((desc.num_tokens, backend.memory_in_use() - before))
+        (n_big, m_big), (n_small, m_small) = samples[0], samples[-1]
+        slope = (m_big - m_small) / (n_big - n_small) if n_big != n_small else 0.0
+        return int(sum(m_small + slope * (d.num_tokens - n_small) for d in descs))

@@ -131,31 +131,42 @@ def backend_for_selector(selector: AttentionSelectorConfig) -> str:
     return f"{backend.__module__}.{backend.__qualname__}"
 
 
-def check_graph_config(vllm_config: VllmConfig, backend_name: str | None = None) -> None:
-    """Refuse graph settings the device cannot capture: capture sizes larger than a
-    step can be, or more graphs than the graph backend's resource budget allows."""
+def apply_capture_plan(vllm_config: VllmConfig, backend_name: str) -> None:
+    """Set vLLM's capture sizes from npu-graphs' capture planner.
+
+    The planner keeps the sizes vLLM chose that a step can reach and that fit the
+    graph backend's budget (the NPU's stream budget: about L + 1 streams per graph
+    of an L-layer model); dropped sizes run padded to a larger graph or eagerly.
+
+    Raises:
+        ValueError: a capture size larger than a step can be, or a budget that
+            leaves no graph at all, with what to change.
+    """
+    from npu_graphs import get_backend, plan_capture
+
     compilation = vllm_config.compilation_config
     sizes = sorted(compilation.cudagraph_capture_sizes or [])
     if not sizes:
         return
-    if sizes[0] <= 0:
-        raise ValueError(f"{PREFIX}: cudagraph_capture_sizes must be positive, got {sizes}")
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     if sizes[-1] > max_tokens:
         raise ValueError(
             f"{PREFIX}: capture size {sizes[-1]} exceeds max_num_batched_tokens={max_tokens}; "
             "lower cudagraph_capture_sizes or raise max_num_batched_tokens"
         )
-    if backend_name is None or vllm_config.model_config is None:
-        return
-    from npu_graphs import get_backend
-
-    num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
-    budget = get_backend(backend_name).max_graphs(num_layers)
-    graphs = len(sizes) * (2 if compilation.cudagraph_mode.has_piecewise_cudagraphs() else 1)
-    if budget is not None and graphs > budget:
-        raise ValueError(
-            f"{PREFIX}: {graphs} graphs ({len(sizes)} capture sizes) exceed the {backend_name} "
-            f"device's budget of {budget} graphs for a {num_layers}-layer model; pass at most "
-            f"{budget} cudagraph_capture_sizes (e.g. {sizes[-budget:]}), or enforce_eager=True"
-        )
+    budget = None
+    if vllm_config.model_config is not None:
+        num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        budget = get_backend(backend_name).max_graphs(num_layers)
+        if budget is not None and budget < 1:
+            raise ValueError(
+                f"{PREFIX}: a {num_layers}-layer model leaves no room for a single "
+                f"{backend_name} graph; run with enforce_eager=True"
+            )
+    plan = plan_capture(
+        sizes,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        max_graphs=budget,
+    )
+    compilation.cudagraph_capture_sizes = list(plan.sizes)
+    compilation.max_cudagraph_capture_size = plan.max_size

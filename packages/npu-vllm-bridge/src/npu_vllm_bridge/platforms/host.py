@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
 
 HOST_WORKER = "npu_vllm_bridge.worker.host.HostWorker"
 GRAPH_WRAPPER = "npu_vllm_bridge.graphs.wrapper.BridgeGraphWrapper"
@@ -71,7 +71,7 @@ class HostPlatform(CpuPlatform):
                     "ops, not inductor kernels); graphs run as FULL_DECODE_ONLY"
                 )
                 compilation.mode = CompilationMode.NONE
-            checks.check_graph_config(vllm_config)
+            checks.apply_capture_plan(vllm_config, cls.graph_backend)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = HOST_WORKER

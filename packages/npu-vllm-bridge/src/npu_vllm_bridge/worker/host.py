@@ -6,10 +6,13 @@ from typing import Any
 from unittest import mock
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
+
+logger = init_logger(f"vllm.{__name__}")
 
 _GEMM_DISPATCH = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
 
@@ -39,6 +42,19 @@ class HostWorker(CPUWorker):
     def init_device(self) -> None:
         super().init_device()
         self.model_runner = HostModelRunner(self.vllm_config, self.device)
+
+    def determine_available_memory(self) -> int:
+        """vLLM's CPU estimate of KV-cache memory, less the graphs' profiled memory."""
+        if self.model_config.enforce_eager:
+            return super().determine_available_memory()
+        graphs = self.model_runner.profile_graph_memory()
+        available = max(super().determine_available_memory() - graphs, 0)
+        logger.info(
+            "KV cache gets %.2f GiB after %.2f MiB reserved for graphs",
+            available / 2**30,
+            graphs / 2**20,
+        )
+        return available
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
