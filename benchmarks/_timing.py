@@ -46,6 +46,12 @@ def graph_median_ms(fn: Callable[[], Any]) -> float:
     return median_ms(graph.replay)
 
 
+def graph_launch_floor_ms(device: torch.device) -> float:
+    """Device time of replaying a graph of one tiny kernel: the floor under any graph timing."""
+    counter = torch.zeros(1, device=device)
+    return graph_median_ms(lambda: counter.add_(1))
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     src = torch.randn(nbytes // 4, device=device)

@@ -133,6 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     device = _timing.require_cuda()
     copy_bw = _timing.copy_bandwidth(device)
+    floor_ms = _timing.graph_launch_floor_ms(device)
     provider = TritonProvider()
     tuning = None
     if args.tune:
@@ -167,12 +168,14 @@ def main() -> None:
         del problem
         torch.cuda.empty_cache()
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
+    print(f"graph of one tiny kernel: {floor_ms * 1e3:.1f} us (floor under every time below)")
     _timing.print_table(list(rows[0]), rows)
     _timing.write_json(
         "decode_attention",
         {
             "environment": _timing.environment(device),
             "copy_bandwidth_GBps": copy_bw / 1e9,
+            "tiny_graph_us": floor_ms * 1e3,
             "provider_settings": {
                 "decode_launch": provider.decode_launch,
                 "min_tokens_per_split": provider.min_tokens_per_split,

@@ -1,0 +1,209 @@
+"""Decode step of a Llama-shaped decoder: eager vs a FULL CUDA graph with per-step task update.
+
+Model (``_decoder_model.py``): 16 layers, hidden 2048, 16 query / 4 KV heads (head
+size 128), MLP 8192, bf16, paged KV cache of block size 128; attention through
+``npu_attention`` (triton provider) as ``npu_graphs`` updatable tasks. Each request
+has about 1024 tokens of context (993 to 1025, changing every step).
+
+Per step, both modes build the step's plan (``npu_attention.plan``); eager mode then
+runs the model, graph mode calls ``TaskRegistry.update`` (copies the plan's device
+tensors into the graph's fixed buffers) and replays. Reported per batch size:
+- step time: wall time per step over a run of steps (host and device together);
+- replay time: device time of one graph replay (CUDA events);
+- host time of ``plan`` and of ``update`` per step;
+- the memory-bound floor: bytes of weights and K/V read per step / copy bandwidth
+  measured in the same run;
+- graph vs eager outputs on a step other than the captured one: max abs difference
+  (both bf16; they may differ by rounding only where the two plans chose a different
+  number of KV splits); the check requires relative L2 error <= 1e-2.
+
+    python benchmarks/bench_decoder_step.py [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import _timing  # first: puts the packages' src on sys.path
+import numpy as np
+import torch
+from _decoder_model import DecoderConfig, LlamaDecoder
+
+from npu_attention import AttentionPlan, plan
+from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
+
+BATCHES = (1, 8, 32, 128)
+CONTEXT = 1024
+
+
+class DecodeSteps:
+    """Static input buffers and per-step plans for decode batches of up to ``max_batch``."""
+
+    def __init__(self, model: LlamaDecoder, max_batch: int, context: int) -> None:
+        c, device = model.config, model.device
+        self.model, self.context = model, context
+        self.width = -(-(context + 1) // c.block_size)
+        order = torch.randperm(max_batch * self.width, generator=torch.Generator().manual_seed(0))
+        self.block_tables = (order + 1).view(max_batch, self.width).to(torch.int32).to(device)
+        self.hidden = torch.randn(max_batch, c.hidden_size, dtype=c.dtype, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def num_blocks(max_batch: int, context: int, block_size: int) -> int:
+        return 1 + max_batch * -(-(context + 1) // block_size)
+
+    def seq_lens(self, batch: int, step_index: int) -> np.ndarray:
+        return self.context - 31 + (np.arange(batch) + step_index) % 33
+
+    def make_step(self, batch: int, step_index: int) -> AttentionPlan:
+        """Fill the position buffer and plan one decode step of ``batch`` requests."""
+        seq_lens = self.seq_lens(batch, step_index)
+        positions = torch.from_numpy(seq_lens - 1).pin_memory()
+        self.positions[:batch].copy_(positions, non_blocking=True)
+        pos, tables = self.positions[:batch], self.block_tables[:batch]
+        bs = self.model.config.block_size
+        slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
+        cu_seqlens_q = np.arange(batch + 1)
+        return plan(
+            cu_seqlens_q, seq_lens, tables, slots, batch, self.model.spec,
+            device=self.model.device, provider="triton",
+        )  # fmt: skip
+
+    def inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hidden[:batch], self.positions[:batch]
+
+
+def eager_step_ms(steps: DecodeSteps, batch: int, num_steps: int) -> float:
+    for i in range(3):
+        steps.model(*steps.inputs(batch), steps.make_step(batch, i))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(num_steps):
+        steps.model(*steps.inputs(batch), steps.make_step(batch, i))
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / num_steps
+
+
+def capture(wrapper: GraphWrapper, steps: DecodeSteps, batch: int, step: AttentionPlan) -> None:
+    """First call for a key: the wrapper captures the graph."""
+    with graph_dispatch(RuntimeMode.FULL, key=batch):
+        wrapper(*steps.inputs(batch), step)
+
+
+def graph_step(
+    wrapper: GraphWrapper,
+    registry: TaskRegistry,
+    steps: DecodeSteps,
+    batch: int,
+    step: AttentionPlan,
+) -> torch.Tensor:
+    registry.update(batch, step)
+    with graph_dispatch(RuntimeMode.FULL, key=batch):
+        return wrapper(*steps.inputs(batch), step)
+
+
+def measure_graph(
+    wrapper: GraphWrapper, registry: TaskRegistry, steps: DecodeSteps, batch: int, num_steps: int
+) -> dict[str, float]:
+    for i in range(3):
+        graph_step(wrapper, registry, steps, batch, steps.make_step(batch, i))
+    torch.cuda.synchronize()
+    plan_s = update_s = 0.0
+    start = time.perf_counter()
+    for i in range(num_steps):
+        t0 = time.perf_counter()
+        step = steps.make_step(batch, i)
+        t1 = time.perf_counter()
+        registry.update(batch, step)
+        t2 = time.perf_counter()
+        with graph_dispatch(RuntimeMode.FULL, key=batch):
+            wrapper(*steps.inputs(batch), step)
+        plan_s, update_s = plan_s + t1 - t0, update_s + t2 - t1
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) * 1e3 / num_steps
+    replays = []
+    for _ in range(20):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        wrapper.replay(batch)
+        end.record()
+        end.synchronize()
+        replays.append(begin.elapsed_time(end))
+    return {
+        "graph_step_ms": step_ms,
+        "replay_ms": float(np.median(replays)),
+        "plan_host_us": plan_s * 1e6 / num_steps,
+        "update_host_us": update_s * 1e6 / num_steps,
+    }
+
+
+def compare_graph_with_eager(
+    wrapper: GraphWrapper, registry: TaskRegistry, steps: DecodeSteps, batch: int
+) -> dict[str, float]:
+    step = steps.make_step(batch, 17)  # not the captured step
+    eager = steps.model(*steps.inputs(batch), step).float()
+    graph = graph_step(wrapper, registry, steps, batch, step).float()
+    difference = (graph - eager).abs().max().item()
+    relative = ((graph - eager).norm() / eager.norm()).item()
+    if not relative <= 1e-2:
+        raise SystemExit(f"batch {batch}: graph output differs from eager (relative {relative})")
+    return {"max_abs_diff": difference, "rel_l2_diff": relative, "bitwise_equal": difference == 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per batch size")
+    args = parser.parse_args()
+    device = _timing.require_cuda()
+    copy_bw = _timing.copy_bandwidth(device)
+    config = DecoderConfig()
+    num_blocks = DecodeSteps.num_blocks(max(BATCHES), CONTEXT, config.block_size)
+    model = LlamaDecoder(config, num_blocks, device)
+    steps = DecodeSteps(model, max(BATCHES), CONTEXT)
+    registry = TaskRegistry("attention", expected_tasks=config.num_layers)
+    wrapper = GraphWrapper(model, backend="cuda", mode=RuntimeMode.FULL, tasks=registry)
+    rows: list[dict[str, Any]] = []
+    for batch in BATCHES:
+        eager_ms = eager_step_ms(steps, batch, args.steps)
+        capture(wrapper, steps, batch, steps.make_step(batch, 0))
+        check = compare_graph_with_eager(wrapper, registry, steps, batch)
+        graph = measure_graph(wrapper, registry, steps, batch, args.steps)
+        seq_lens = [int(s) for s in steps.seq_lens(batch, 0)]
+        floor_ms = (model.weight_bytes() + model.kv_bytes_read(seq_lens)) / copy_bw * 1e3
+        rows.append({
+            "batch": batch,
+            "eager_step_ms": eager_ms,
+            "graph_step_ms": graph["graph_step_ms"],
+            "replay_ms": graph["replay_ms"],
+            "floor_ms": floor_ms,
+            "replay/floor": graph["replay_ms"] / floor_ms,
+            "step/floor": graph["graph_step_ms"] / floor_ms,
+            "plan_us": graph["plan_host_us"],
+            "update_us": graph["update_host_us"],
+            "update/step": graph["update_host_us"] * 1e-3 / graph["graph_step_ms"],
+            "speedup": eager_ms / graph["graph_step_ms"],
+            "max_abs_diff": check["max_abs_diff"],
+            "rel_l2_diff": check["rel_l2_diff"],
+        })  # fmt: skip
+        print(rows[-1])
+    print(
+        f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; weights {model.weight_bytes() / 1e9:.2f} GB"
+    )
+    _timing.print_table(list(rows[0]), rows)
+    _timing.write_json(
+        "decoder_step",
+        {
+            "environment": _timing.environment(device),
+            "copy_bandwidth_GBps": copy_bw / 1e9,
+            "config": {k: str(v) for k, v in vars(config).items()},
+            "context": CONTEXT,
+            "weight_bytes": model.weight_bytes(),
+            "rows": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
