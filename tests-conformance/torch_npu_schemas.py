@@ -44,6 +44,8 @@ WHEEL_PLATFORM_ARGS = (
     "cp311",
 )
 OPERATOR_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
+# ATB operators are registered from a shared library: only their names are in Python.
+ATB_OPS_FILE = "torch_npu/op_plugin/atb/_atb_ops.py"
 PYTHON_API_FILES = (
     "torch_npu/npu/graphs.py",
     "torch_npu/npu/streams.py",
@@ -289,6 +291,20 @@ class TorchNpuApi:
     version: str
     operators: dict[str, OpSchema]
     python: PythonApi
+    atb_ops: frozenset[str]  # "name" (torch_npu.name) or "atb.name"; names only
+
+
+def parse_atb_op_names(source: str) -> frozenset[str]:
+    """``torch_npu.<name>`` (``API_LIST``) and ``torch_npu.atb.<name>`` (``ATB_API_LIST``)."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            target = node.targets[0].id
+            if target == "API_LIST":
+                names.update(ast.literal_eval(node.value))
+            elif target == "ATB_API_LIST":
+                names.update(f"atb.{name}" for name in ast.literal_eval(node.value))
+    return frozenset(names)
 
 
 def read_wheel(wheel: Path, version: str = TORCH_NPU_VERSION) -> TorchNpuApi:
@@ -296,4 +312,5 @@ def read_wheel(wheel: Path, version: str = TORCH_NPU_VERSION) -> TorchNpuApi:
     with zipfile.ZipFile(wheel) as archive:
         operators = parse_operator_schemas(archive.read(OPERATOR_YAML).decode())
         sources = {path: archive.read(path).decode() for path in PYTHON_API_FILES}
-    return TorchNpuApi(version, operators, parse_python_api(sources))
+        atb_ops = parse_atb_op_names(archive.read(ATB_OPS_FILE).decode())
+    return TorchNpuApi(version, operators, parse_python_api(sources), atb_ops)
