@@ -31,7 +31,7 @@ def segment_mix(hidden: torch.Tensor, *, seq_lens: Sequence[int] | torch.Tensor)
 
 
 class ToyModel:
-    """``num_layers`` of ``x = x + segment_mix(tanh(x @ W_i))``; segment_mix is an updatable task."""
+    """``num_layers`` of ``x = x + segment_mix(tanh(x @ W_i))``, segment_mix as updatable task."""
 
     def __init__(
         self,

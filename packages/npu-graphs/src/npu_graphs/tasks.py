@@ -102,6 +102,7 @@ class TaskRegistry:
         ):
             raise ValueError(f"expected_tasks must be an int >= 0 or None, got {expected_tasks!r}")
         self.name = name
+        self._label = f"task registry {name!r}"
         self.expected_tasks = expected_tasks
         self._graphs: dict[Hashable, list[_GraphTasks]] = {}
         self._capturing: dict[int, tuple[Hashable, _GraphTasks]] = {}
@@ -137,13 +138,13 @@ class TaskRegistry:
         derive: Derive | None,
     ) -> Any:
         if session.in_task:
-            raise GraphCaptureError(f"task registry {self.name!r}: updatable tasks cannot nest")
+            raise GraphCaptureError(f"{self._label}: updatable tasks cannot nest")
         backend = session.backend
         step_kwargs = _derive(derive, step)
         overlap = step_kwargs.keys() & kwargs.keys()
         if overlap:
             raise TypeError(
-                f"task registry {self.name!r}: {sorted(overlap)} given both as static and step arguments"
+                f"{self._label}: {sorted(overlap)} given both as static and step arguments"
             )
         host = {k: v for k, v in step_kwargs.items() if not backend.is_device_tensor(v)}
         buffers = {
@@ -188,7 +189,7 @@ class TaskRegistry:
         count = len(graph_tasks.tasks) if graph_tasks else 0
         if self.expected_tasks is not None and count != self.expected_tasks:
             raise GraphCaptureError(
-                f"task registry {self.name!r}: capture of {session.describe()} recorded {count} tasks, "
+                f"{self._label}: capture of {session.describe()} recorded {count} tasks, "
                 f"expected {self.expected_tasks}"
             )
         if graph_tasks is None:
@@ -226,12 +227,12 @@ class TaskRegistry:
         session = active_session()
         if session is not None:
             raise GraphCaptureError(
-                f"task registry {self.name!r}: update({key!r}) during the capture of {session.describe()}"
+                f"{self._label}: update({key!r}) during the capture of {session.describe()}"
             )
         graphs = self._graphs.get(key)
         if graphs is None:
             raise ValueError(
-                f"task registry {self.name!r}: no graph captured for key {key!r}; captured keys: "
+                f"{self._label}: no graph captured for key {key!r}; captured keys: "
                 f"{sorted(map(repr, self._graphs))}"
             )
         frozen = _freeze(step) if changed is None else _NEVER_EQUAL
@@ -274,7 +275,7 @@ class TaskRegistry:
                     tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 )
                 raise TaskUpdateError(
-                    f"task registry {self.name!r}: task {index} step argument {name!r} must be a tensor of shape "
+                    f"{self._label}: task {index} step argument {name!r} must be a tensor of shape "
                     f"{tuple(buffer.shape)} (its fixed buffer), got {got}"
                 )
             if value.data_ptr() != buffer.data_ptr():
@@ -285,7 +286,7 @@ class TaskRegistry:
         for name, value in host.items():
             if not _equal(_freeze(value), task.captured_host[name]):
                 raise TaskUpdateError(
-                    f"task registry {self.name!r}: task {index} step argument {name!r} is a host value baked "
+                    f"{self._label}: task {index} step argument {name!r} is a host value baked "
                     "into the graph, and this backend cannot update it; pass it as a device "
                     "tensor (kept in a fixed buffer)"
                 )
@@ -357,9 +358,8 @@ def _derive(derive: Derive | None, step: Any) -> Mapping[str, Any]:
     step_kwargs = step if derive is None else derive(step)
     if not isinstance(step_kwargs, Mapping):
         source = "step" if derive is None else "derive(step)"
-        raise TypeError(
-            f"{source} must be a Mapping of step keyword arguments, got {type(step_kwargs).__name__}"
-        )
+        got = type(step_kwargs).__name__
+        raise TypeError(f"{source} must be a Mapping of step keyword arguments, got {got}")
     return step_kwargs
 
 

@@ -235,7 +235,10 @@ class GraphWrapper:
         return getattr(runnable, name)
 
     def __repr__(self) -> str:
-        return f"GraphWrapper({self.name}, mode={self.mode.name}, backend={self.backend.name}, graphs={len(self._entries)})"
+        return (
+            f"GraphWrapper({self.name}, mode={self.mode.name}, backend={self.backend.name}, "
+            f"graphs={len(self._entries)})"
+        )
 
 
 def _weak(backend: GraphBackend) -> Callable[[Any], Any]:

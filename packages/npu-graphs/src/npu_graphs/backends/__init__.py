@@ -33,9 +33,9 @@ def get_backend(name_or_device: str | torch.device | GraphBackend | None = None)
     """The graph backend for a name (``"npu"``, ``"cuda"``, ``"host"``) or a device.
 
     Backends are created once per process and shared, so that every graph of a
-    backend orders its task updates on one update stream. ``None`` picks by the machine: npu if torch_npu's device is present, else cuda
-    if available, else host. A device maps by type (``cpu`` -> host). A backend
-    instance is returned as is.
+    backend orders its task updates on one update stream. ``None`` picks by the
+    machine: npu if torch_npu's device is present, else cuda if available, else host.
+    A device maps by type (``cpu`` -> host). A backend instance is returned as is.
 
     Raises:
         ValueError: unknown name or device type.

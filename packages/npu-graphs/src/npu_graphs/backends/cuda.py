@@ -31,12 +31,22 @@ class CudaGraphBackend(GraphBackend):
     def __init__(self, capture_error_mode: str = "global") -> None:
         self.capture_error_mode = capture_error_mode
         self._capture_device: int | None = None
+        self._pools: list[Any] = []
 
     def new_graph(self) -> torch.cuda.CUDAGraph:
         return torch.cuda.CUDAGraph()
 
     def new_pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
+        """A graph memory pool that stays alive as long as this backend.
+
+        A bare ``graph_pool_handle()`` lives only while some graph uses it: once every
+        graph of the pool is gone, capturing into the same handle again trips the
+        caching allocator (``use_count > 0`` assertion). A ``torch.cuda.MemPool`` holds
+        its own reference to the pool.
+        """
+        mem_pool = torch.cuda.MemPool()
+        self._pools.append(mem_pool)
+        return mem_pool.id
 
     @contextlib.contextmanager
     def capture(self, graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[None]:
