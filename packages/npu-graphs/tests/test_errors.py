@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from npu_graphs_cases import segment_mix
@@ -191,3 +193,46 @@ def test_npu_backend_without_torch_npu_says_what_is_missing(monkeypatch):
 
     with pytest.raises(ImportError, match="needs torch_npu"):
         NpuGraphBackend()
+
+
+def test_debug_address_check_counts_arguments():
+    wrapper = GraphWrapper(lambda *xs: xs[0] + 1, backend="host", debug_check_addresses=True)
+    x = torch.ones(2)
+    with graph_dispatch(RuntimeMode.FULL, 2):
+        wrapper(x)
+        with pytest.raises(ValueError, match="captured with 1 argument leaves, called with 2"):
+            wrapper(x, x)
+
+
+def test_capture_suppresses_gc_and_reports_keys_time_and_memory():
+    seen = {}
+
+    def model(x):
+        seen["gc_enabled"], seen["collected"] = (
+            gc.isenabled(),
+            gc.collect(),
+        )
+        return x * 2
+
+    backend = get_backend("host")
+    wrapper = GraphWrapper(model, backend=backend)
+    inputs = {n: torch.ones(n * 256) for n in (4, 2, 1)}
+
+    def capture_one(n):
+        with graph_dispatch(RuntimeMode.FULL, n):
+            wrapper(inputs[n])
+
+    report = npu_graphs.capture_all([4, 2, 1], capture_one, backend=backend, progress=False)
+    assert seen == {"gc_enabled": False, "collected": 0}
+    assert report.keys == (4, 2, 1) and wrapper.keys() == [4, 2, 1]
+    assert report.memory_bytes >= (4 + 2 + 1) * 256 * 4 and report.seconds >= 0
+    assert "captured 3 graphs" in str(report)
+    assert gc.isenabled()
+
+
+def test_manager_forward_must_return_tensors():
+    manager = npu_graphs.FullGraphManager(
+        lambda batch: [1, 2], npu_graphs.plan_capture([2]), backend="host", progress=False
+    )
+    with pytest.raises(TypeError, match="forward must return tensors, got int"):
+        manager.capture()

@@ -18,6 +18,8 @@ def _scale_by_global(x: torch.Tensor) -> torch.Tensor:
 
 
 _LIB.impl("scale_by_global", _scale_by_global, "CPU")
+_LIB.define("make_zeros(int n) -> Tensor")
+_LIB.impl("make_zeros", lambda n: torch.zeros(n), "CompositeExplicitAutograd")
 
 
 @pytest.fixture
@@ -161,3 +163,18 @@ def test_memory_in_use_counts_captured_tensors(host):
     graph, _ = capture(host, lambda: torch.ones(1024) * 2)
     assert host.memory_in_use() - before >= 1024 * 4
     assert graph.nbytes() >= 1024 * 4
+
+
+def test_custom_op_without_tensor_arguments_is_refused(host):
+    graph = host.new_graph()
+    with pytest.raises(GraphCaptureError, match="takes no tensor"), host.capture(graph):
+        torch.ops.npu_graphs_test.make_zeros(3)
+    assert not graph.captured
+
+
+def test_task_groups_only_inside_their_capture(host):
+    graph = host.new_graph()
+    with pytest.raises(GraphCaptureError, match="task_group_begin outside"):
+        host.task_group_begin(graph, None)
+    with pytest.raises(GraphCaptureError, match="task_group_end outside"):
+        host.task_group_end(graph, None, 0)
