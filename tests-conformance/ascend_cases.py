@@ -235,11 +235,12 @@ def run_provider(batch: Batch, provider: str) -> Outcome:
     """Plan the step and run one layer with ``provider``; inputs are not modified."""
     key_cache = None if batch.key_cache is None else batch.key_cache.clone()
     value_cache = None if batch.value_cache is None else batch.value_cache.clone()
+    with_cache = batch.case.with_cache
     step = plan(
         batch.cu_seqlens_q,
         batch.seq_lens,
-        batch.block_tables,
-        batch.slot_mapping,
+        batch.block_tables if with_cache else None,
+        batch.slot_mapping if with_cache else None,
         batch.case.num_decodes,
         batch.case.spec,
         provider=provider,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from ascend_cases import CASES, HostAscendProvider, build_batch
+from ascend_cases import CASES, HostAscendProvider, build_batch, run_provider
 
 from npu_attention import get_provider, plan, register_provider, run
 from npu_attention.providers.ascend import AscendProvider
@@ -69,12 +69,17 @@ def test_unsupported_spec_is_refused_in_plan(stand_in, host_ascend, change, erro
         )
 
 
-def test_padding_slot_among_real_tokens_is_refused(stand_in, host_ascend) -> None:
+def test_padding_slot_among_real_tokens_is_skipped(stand_in, host_ascend) -> None:
     case = CASES[0]
-    slots = build_batch(case).slot_mapping.clone()
-    slots[2] = -1
-    with pytest.raises(ValueError, match="needs a slot >= 0 for every real token"):
-        _plan(case, host_ascend, slot_mapping=slots)
+    batch = build_batch(case)
+    slots = batch.slot_mapping.clone()
+    slots[[2, 7]] = -1
+    batch = dataclasses.replace(batch, slot_mapping=slots)
+    ascend, reference = run_provider(batch, host_ascend), run_provider(batch, "reference")
+    assert torch.equal(ascend.key_cache, reference.key_cache)
+    assert torch.equal(ascend.value_cache, reference.value_cache)
+    (write,) = stand_in.log.of("npu_scatter_pa_kv_cache")
+    assert write.arguments["slot_mapping"].tolist() == [s for s in slots.tolist() if s >= 0]
 
 
 def test_non_contiguous_cache_is_refused(stand_in, host_ascend) -> None:

@@ -9,9 +9,12 @@ Operators, one per job:
 
 - KV write: ``torch_npu.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache,
   slot_mapping, cache_mode="Norm")`` on ND caches ``[num_blocks, block_size,
-  kv_heads, head_size]``. Only the ``plan.num_actual_tokens`` real tokens are
-  passed: the op documents slots in ``[0, num_blocks * block_size)``, so graph
-  padding (slot ``-1``) never reaches it.
+  kv_heads, head_size]``. The op documents slots in ``[0, num_blocks * block_size)``
+  only, so padding slots (``-1``) never reach it: graph padding beyond
+  ``plan.num_actual_tokens`` is cut off, and when ``slot_mapping`` is a host
+  tensor, ``prepare`` also drops ``-1`` slots among the real tokens (an index
+  gather of the step's K/V). On the device that would need a host sync, so there
+  every real token must have a slot (as vLLM's decoder steps do).
 - Every paged state (prefill with or without a cache hit, chunked prefill, decode,
   speculative decode): ``torch_npu.npu_fused_infer_attention_score.out`` in ``TND``
   layout with ``block_table`` (block size 128), cumulative query ends
@@ -91,17 +94,17 @@ class AscendStepData:
     next_tokens: int
     atten_mask: torch.Tensor | None  # bool [2048, 2048], shared
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
-    slot_mapping: torch.Tensor  # [num_actual_tokens]
+    slot_mapping: torch.Tensor  # [num_written], slots >= 0
+    written_tokens: torch.Tensor | None  # int64 [num_written]; None: the first num_written
 
 
 class AscendProvider(AttentionProvider):
     """torch_npu kernels for Ascend NPUs (unverified on hardware, see module doc).
 
     Caches must be contiguous ``[num_blocks, block_size, kv_heads, head_size]``
-    tensors (the fused op reads them as ``(blocknum, blocksize, H)``), and every
-    real token (``t < plan.num_actual_tokens``) needs a slot ``>= 0``: the KV write
-    op documents no padding slot, so ``-1`` may only mark graph padding beyond the
-    real tokens (checked in ``prepare`` when ``slot_mapping`` is on the host).
+    tensors (the fused op reads them as ``(blocknum, blocksize, H)``). With a
+    device ``slot_mapping``, every real token (``t < plan.num_actual_tokens``)
+    needs a slot ``>= 0`` (see the module doc).
     """
 
     name: ClassVar[str] = "ascend"
@@ -129,12 +132,7 @@ class AscendProvider(AttentionProvider):
         n = plan.num_actual_tokens
         sparse_mode, pre_tokens, next_tokens = sparse_arguments(spec)
         mask = self._causal_mask(plan.device) if spec.causal else None
-        slots = plan.slot_mapping[:n]
-        if slots.device.type == "cpu" and bool((slots < 0).any()):
-            raise ValueError(
-                "the ascend provider needs a slot >= 0 for every real token (the KV write "
-                f"op has no padding slot), got negative slots among the first {n}"
-            )
+        slots, written_tokens = _written_slots(plan.slot_mapping[:n])
         return AscendStepData(
             num_actual_tokens=n,
             actual_seq_lengths=list(plan.actual_seq_lengths_q),
@@ -145,6 +143,7 @@ class AscendProvider(AttentionProvider):
             atten_mask=mask,
             block_table=plan.block_tables.to(torch.int32),
             slot_mapping=slots,
+            written_tokens=written_tokens,
         )
 
     def write_kv(
@@ -157,10 +156,16 @@ class AscendProvider(AttentionProvider):
     ) -> None:
         data = _step_data(plan)
         _check_contiguous(key_cache, value_cache)
-        n = data.num_actual_tokens
+        num_written = data.slot_mapping.shape[0]
+        if num_written == 0:
+            return
+        if data.written_tokens is None:
+            key, value = key[:num_written], value[:num_written]
+        else:
+            key, value = key[data.written_tokens], value[data.written_tokens]
         torch_npu_module().npu_scatter_pa_kv_cache(
-            key[:n].contiguous(),
-            value[:n].contiguous(),
+            key.contiguous(),
+            value.contiguous(),
             key_cache,
             value_cache,
             data.slot_mapping,
@@ -307,6 +312,21 @@ def check_spec(spec: AttentionSpec) -> None:
             "the ascend provider supports sliding_window only with causal attention, "
             f"got sliding_window={spec.sliding_window} with causal=False"
         )
+
+
+def _written_slots(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots the KV write gets, and which tokens they belong to (None: a prefix).
+
+    Host slots: ``-1`` entries are dropped. Device slots are passed as they are
+    (finding the ``-1`` entries would wait for the device).
+    """
+    if slots.device.type != "cpu":
+        return slots, None
+    valid = slots >= 0
+    if bool(valid.all()):
+        return slots, None
+    tokens = torch.nonzero(valid).flatten()
+    return slots[tokens], tokens
 
 
 def _step_data(plan: AttentionPlan) -> AscendStepData:
