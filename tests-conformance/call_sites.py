@@ -19,6 +19,8 @@ from torch_npu_schemas import TorchNpuApi
 TORCH_NPU_ROOTS = {"torch_npu"}
 NPU_NAMESPACE_ROOTS = {"torch.npu", "torch_npu.npu"}
 TORCH_NPU_FACTORIES = {"torch_npu_module"}
+# torch_npu/npu/<module>.py files read by torch_npu_schemas (their functions are known)
+PARSED_SUBMODULES = {"graphs", "streams", "utils", "memory", "npu_config"}
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,11 @@ def _resolve(site: CallSite, api: TorchNpuApi, atb_ops: frozenset[str]):
             return None, None
         return None, f"torch_npu {api.version} has no operator {site.name!r}"
     head, _, rest = site.name.partition(".")
-    if head not in api.python.exported:
+    if head in PARSED_SUBMODULES and rest and "." not in rest:  # torch.npu.utils.f(...)
+        head, rest = rest, ""
+        if head not in api.python.functions and head not in api.python.classes:
+            return None, f"torch.npu.{site.name} is not in torch_npu {api.version}"
+    elif head not in api.python.exported:
         return None, f"torch.npu has no {head!r} in torch_npu {api.version}"
     if not rest:
         if head in api.python.functions:

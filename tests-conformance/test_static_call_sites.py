@@ -46,6 +46,8 @@ def wrong(q, k, v, stream, handle):
     torch.npu.graph(None, pool=None, stream_priority=1)
     torch_npu.npu.ExternalEvent(1)
     torch_npu._npu_paged_attention(q, k, v)  # an ATB op: name checked only
+    torch_npu.npu.utils.get_cann_version()
+    torch.npu.utils.get_cann_versions()
 """
 
 
@@ -60,6 +62,7 @@ def test_wrong_call_sites_are_reported(torch_npu_api) -> None:
         "torch.npu has no 'graph_task_update_start'",
         "unexpected keyword argument 'stream_priority'",
         "too many positional arguments",
+        "torch.npu.utils.get_cann_versions is not in torch_npu",
     ]
     assert len(problems) == len(expected), problems
     for problem, message in zip(problems, expected):
