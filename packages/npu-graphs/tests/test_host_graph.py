@@ -178,3 +178,16 @@ def test_task_groups_only_inside_their_capture(host):
         host.task_group_begin(graph, None)
     with pytest.raises(GraphCaptureError, match="task_group_end outside"):
         host.task_group_end(graph, None, 0)
+
+
+@torch.inference_mode()
+def test_alias_annotated_ops_that_copied_are_redone(host):
+    x = torch.arange(6.0).reshape(2, 3)
+    graph = host.new_graph()
+    with host.capture(graph):
+        converted = x.to(torch.float64)  # one aten.to op in inference mode: a copy
+        flattened = x.t().reshape(6)  # not viewable: a copy
+    x.add_(1)
+    host.replay(graph)
+    torch.testing.assert_close(converted, x.to(torch.float64))
+    torch.testing.assert_close(flattened, x.t().reshape(6))
