@@ -255,7 +255,9 @@ def _fia_compute(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         )
         k = key[blocks].reshape(-1, num_kv_heads, key.shape[-1])[:kv_len]
         v = value[blocks].reshape(-1, num_kv_heads, value.shape[-1])[:kv_len]
-        visible = _visible(end - start, kv_len, a["sparse_mode"], a["pre_tokens"], a["next_tokens"])
+        visible = visible_keys(
+            end - start, kv_len, a["sparse_mode"], a["pre_tokens"], a["next_tokens"]
+        )
         rows, row_lse = _softmax_attention(query[start:end], k, v, visible, a["scale"])
         out[start:end], lse[start:end] = rows, row_lse
     return out.to(query.dtype), lse
@@ -268,7 +270,7 @@ def _paged_tokens(cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return cache.transpose(1, 2)
 
 
-def _visible(q_len: int, kv_len: int, sparse_mode: int, pre: int, nxt: int) -> torch.Tensor:
+def visible_keys(q_len: int, kv_len: int, sparse_mode: int, pre: int, nxt: int) -> torch.Tensor:
     """``[q_len, kv_len]`` bool: which keys each query sees, by the documented modes."""
     i = torch.arange(q_len).unsqueeze(1)
     j = torch.arange(kv_len).unsqueeze(0)
@@ -418,7 +420,7 @@ def _fusion_attention(a: dict[str, Any]) -> tuple[Any, ...]:
     out = torch.zeros(query.shape, dtype=torch.float32)
     softmax_max = torch.zeros(query.shape[0], query.shape[1], 8, dtype=torch.float32)
     for (qs, qe), (ks, ke) in zip(zip([0, *q_ends], q_ends), zip([0, *kv_ends], kv_ends)):
-        visible = _visible(qe - qs, ke - ks, sparse_mode, a["pre_tockens"], a["next_tockens"])
+        visible = visible_keys(qe - qs, ke - ks, sparse_mode, a["pre_tockens"], a["next_tockens"])
         out[qs:qe], lse = _softmax_attention(
             query[qs:qe], key[ks:ke], value[ks:ke], visible, a["scale"]
         )
