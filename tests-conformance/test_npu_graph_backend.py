@@ -36,7 +36,14 @@ class DecodeModel:
         self.steps = steps
         self.plan = steps.plan(1)
         self.tasks = TaskRegistry("attention", expected_tasks=1)
-        self.wrapper = GraphWrapper(self.forward, backend=backend, tasks=self.tasks)
+        # Own stream and pool: the process-wide ones would outlive this test's stand-in.
+        self.wrapper = GraphWrapper(
+            self.forward,
+            backend=backend,
+            tasks=self.tasks,
+            stream=backend.new_stream(),
+            pool=backend.new_pool(),
+        )
 
     def forward(self, query):
         steps = self.steps
