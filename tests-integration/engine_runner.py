@@ -1,0 +1,78 @@
+"""Run one vLLM engine in this process and print what it did as one JSON line.
+
+Used by the integration tests in a subprocess, since vLLM resolves its platform once
+per process: ``NPU_BRIDGE_DEVICE=cpu`` selects the bridge's host platform, unset
+leaves vLLM on its own CPU platform (CPU_ATTN).
+
+    python engine_runner.py SPEC.json
+
+SPEC: {"model": path, "engine": {LLM kwargs}, "rounds": [[{"prompt": [ids],
+"max_tokens": n}, ...], ...]}. Each round is one ``generate`` call; later rounds
+reuse the prefix cache of earlier ones. Output line: ``RESULT {"tokens": [[...]
+per round], "counters": {...}, "states": {...}, "backend": name}`` or
+``RESULT {"error": "Type: message"}`` when the engine refuses to start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+
+
+def _record_plan_states(states: Counter) -> None:
+    import npu_attention
+
+    plan = npu_attention.plan
+
+    def recording_plan(*args, **kwargs):
+        result = plan(*args, **kwargs)
+        states[result.state.name] += 1
+        return result
+
+    npu_attention.plan = recording_plan
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    bridge = os.environ.get("NPU_BRIDGE_DEVICE") == "cpu"
+    states: Counter = Counter()
+    if bridge:
+        _record_plan_states(states)
+    from vllm import LLM, SamplingParams
+
+    try:
+        llm = LLM(model=spec["model"], skip_tokenizer_init=True, **spec["engine"])
+    except Exception as exc:  # the refusal under test
+        print("RESULT " + json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        return
+    tokens = []
+    for round_ in spec["rounds"]:
+        prompts = [{"prompt_token_ids": item["prompt"]} for item in round_]
+        params = [
+            SamplingParams(max_tokens=item["max_tokens"], temperature=0.0, ignore_eos=True)
+            for item in round_
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+    result = {"tokens": tokens, "states": dict(states)}
+    layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
+    result["num_layers"] = layers
+    if bridge:
+        from vllm.platforms import current_platform
+
+        from npu_vllm_bridge.graphs.counters import graph_counters
+
+        result["counters"] = graph_counters().as_dict()
+        result["platform"] = type(current_platform).__name__
+    else:
+        from vllm.platforms import current_platform
+
+        result["platform"] = type(current_platform).__name__
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

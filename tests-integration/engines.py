@@ -1,0 +1,53 @@
+"""Start vLLM engines in subprocesses (one platform per process) and collect results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RUNNER = Path(__file__).with_name("engine_runner.py")
+TIMEOUT_S = 600
+
+# Small KV pages and a small token budget: long prompts span many blocks and are
+# prefilled in chunks; prefix caching on; several requests per step.
+ENGINE = dict(
+    dtype="float32",
+    block_size=32,
+    max_model_len=512,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    enable_chunked_prefill=True,
+    enable_prefix_caching=True,
+    gpu_memory_utilization=0.2,
+    seed=0,
+)
+
+
+def run_engine(
+    model: Path, rounds: list[list[dict]], *, bridge: bool, tmp_path: Path, **engine
+) -> dict:
+    """Run ``rounds`` of generation in a fresh process; the bridge's host platform if
+    ``bridge``, else vLLM's own CPU platform (CPU_ATTN). Returns the runner's JSON."""
+    spec = {"model": str(model), "engine": {**ENGINE, **engine}, "rounds": rounds}
+    spec_path = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("NPU_BRIDGE_DEVICE", None)
+    if bridge:
+        env["NPU_BRIDGE_DEVICE"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(spec_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(
+            f"engine run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
