@@ -8,12 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # helper modules beside the tests
 
-from npu_runtime_stand_in import NpuRuntime, StandInNpuNamespace
-from schema_stand_in import CallLog, StandInTorchNpu
+from schema_stand_in import StandInTorchNpu
+from stand_in_install import installed_stand_in
 from torch_npu_schemas import TorchNpuApi, download_wheel, read_wheel
 
 WHEEL_DIR_ENV = "TORCH_NPU_WHEEL_DIR"  # where to keep (or find) the downloaded wheel
@@ -32,19 +31,7 @@ def torch_npu_api(request: pytest.FixtureRequest) -> TorchNpuApi:
 
 
 @pytest.fixture
-def stand_in(
-    torch_npu_api: TorchNpuApi, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[StandInTorchNpu]:
-    """Stand-in ``torch_npu`` (in ``sys.modules``) and ``torch.npu`` for one test.
-
-    ``stand_in.npu`` is the ``torch.npu`` namespace; ops and runtime share one call log.
-    """
-    log = CallLog()
-    module = StandInTorchNpu(torch_npu_api, log)
-    runtime = NpuRuntime(torch_npu_api.python, log)
-    module.launcher = runtime
-    module.npu = StandInNpuNamespace(runtime)
-    monkeypatch.setitem(sys.modules, "torch_npu", module)
-    monkeypatch.setitem(sys.modules, "torch_npu.npu", module.npu)
-    monkeypatch.setattr(torch, "npu", module.npu, raising=False)
-    yield module
+def stand_in(torch_npu_api: TorchNpuApi) -> Iterator[StandInTorchNpu]:
+    """Stand-in ``torch_npu`` and ``torch.npu`` for one test (see ``stand_in_install``)."""
+    with installed_stand_in(torch_npu_api) as module:
+        yield module

@@ -20,8 +20,11 @@ from ascend_cases import (
     max_error,
     run_provider,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from stand_in_install import installed_stand_in
 
-from npu_attention import plan, register_provider, run
+from npu_attention import BatchState, plan, register_provider, run
 
 ASCEND_TARGET = "npu_attention.providers.ascend:AscendProvider"
 EXPECTED_OPS = {
@@ -105,3 +108,45 @@ def test_workspace_is_sized_once_per_call_shape(stand_in, host_ascend) -> None:
             )
     assert len(stand_in.log.of("_npu_fused_infer_attention_score_get_max_workspace")) == 1
     assert len(stand_in.log.of("npu_fused_infer_attention_score.out")) == 6
+
+
+@st.composite
+def random_cases(draw) -> Case:
+    num_spec = draw(st.integers(0, 2))
+    num_decodes = draw(st.integers(0, 3))
+    num_prefills = draw(st.integers(0 if num_decodes else 1, 3))
+    contexts = [draw(st.integers(1, 300)) for _ in range(num_decodes)]
+    queries = [1 + num_spec] * num_decodes
+    for _ in range(num_prefills):
+        contexts.append(draw(st.integers(0, 260)))
+        queries.append(draw(st.integers(2, 40)))
+    if num_decodes == len(queries):
+        state = BatchState.SPEC_DECODING if num_spec else BatchState.DECODE_ONLY
+    elif num_decodes:
+        state = BatchState.CHUNKED_PREFILL
+    else:
+        state = BatchState.PREFILL_CACHE_HIT if any(contexts) else BatchState.PREFILL_NO_CACHE
+    return Case(
+        "random",
+        state,
+        tuple(contexts),
+        tuple(queries),
+        num_decodes=num_decodes,
+        num_speculative_tokens=num_spec,
+        num_kv_heads=draw(st.sampled_from([1, 2, 8])),
+        sliding_window=draw(st.sampled_from([None, None, 1, 17, 200])),
+        padding=draw(st.integers(0, 3)),
+    )
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(case=random_cases())
+def test_random_batches_match_the_reference_provider(torch_npu_api, case: Case) -> None:
+    register_provider("ascend-random", "ascend_cases:HostAscendProvider")
+    batch = build_batch(case)
+    n = sum(case.query_lens)
+    with installed_stand_in(torch_npu_api):
+        ascend = run_provider(batch, "ascend-random")
+    reference = run_provider(batch, "reference")
+    assert max_error(ascend.out[:n], reference.out[:n]) < DTYPE_TOLERANCE[case.dtype]
+    assert torch.equal(ascend.key_cache, reference.key_cache)
