@@ -19,6 +19,7 @@ import json
 import os
 import sys
 from collections import Counter
+from pathlib import Path
 
 
 def _record_plan_states(states: Counter) -> None:
@@ -35,7 +36,7 @@ def _record_plan_states(states: Counter) -> None:
 
 
 def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
+    spec = json.loads(Path(sys.argv[1]).read_text())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     bridge = os.environ.get("NPU_BRIDGE_DEVICE") == "cpu"
     states: Counter = Counter()
