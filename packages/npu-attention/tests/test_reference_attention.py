@@ -142,9 +142,14 @@ def test_attention_without_cache(overrides: dict) -> None:
     assert_close_to_oracle(case, out)
 
 
-def test_tiles_split_under_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("group_masks", [True, False], ids=["group_masks", "tile_masks"])
+def test_tiles_split_under_memory_budget(
+    monkeypatch: pytest.MonkeyPatch, group_masks: bool
+) -> None:
     """Tiny budget: decodes split over several tiles, a long prefill over query-row chunks."""
     monkeypatch.setattr(reference, "TILE_ELEMENTS", 512)
+    if not group_masks:
+        monkeypatch.setattr(reference, "GROUP_MASK_ELEMENTS", 0)
     case = make_case(_spec(), [1, 1, 1, 1, 40, 3], [20, 50, 3, 9, 10, 0], 4, pad_tokens=1)
     out, paged, step = run_case(case)
     assert len(step.provider_data.tiles) > 4

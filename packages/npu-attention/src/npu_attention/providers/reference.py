@@ -1,18 +1,23 @@
 """Pure-PyTorch provider: the numerical oracle and the CPU path.
 
 ``prepare`` turns the step into a few *tiles*, each a batch of requests padded
-to a common query length ``lq`` and key length ``lk``, with every index and mask
-precomputed; ``attend`` runs one batched masked attention per tile, in float32.
+to a common query length and a common number of whole pages, with every index
+and mask precomputed; ``attend`` runs one batched masked attention per tile:
+gather pages (``index_select``, any cache strides), float32 scores, soft cap,
+mask, softmax, float32 ``P @ V``.
 
 Tiling: all decodes form one group (no per-request work); prefills are grouped
 by the power-of-two classes of their query and key lengths, so padding wastes
 at most about 3/4 of a tile and the number of groups is bounded by
-``(log2 max_query_len + 1) * (log2 max_seq_len + 1)``. A group is split further
-only to keep a tile's score and gathered-K/V tensors under ``TILE_ELEMENTS``.
+``(log2 max_query_len + 1) * (log2 max_seq_len + 1)``. A group, sorted by
+length, is cut into tiles only to keep a tile's scores and gathered K/V under
+``TILE_ELEMENTS`` float32 elements; one request above that alone is split by
+query rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -23,25 +28,32 @@ from npu_attention.providers.base import AttentionProvider
 
 if TYPE_CHECKING:
     from npu_attention.plan import AttentionPlan, HostArrays
+    from npu_attention.spec import AttentionSpec
 
-TILE_ELEMENTS = 1 << 24  # float32 elements of a tile's scores, or of its gathered K
-_NO_SPLIT = 1 << 62
+TILE_ELEMENTS = 1 << 22  # float32 elements of a tile's scores, or of its gathered K
+GROUP_MASK_ELEMENTS = 1 << 24  # a group's masks up to this size are built in one piece
 
 
 @dataclass(frozen=True)
 class Tile:
-    """``b`` requests padded to ``lq`` query rows and ``lk`` keys.
+    """``batch`` requests padded to ``query_len`` query rows and ``key_len`` keys
+    (whole pages: ``key_len`` is a multiple of the block size).
 
-    Padding rows and keys index real data of the same request (so every value
-    read is finite); the mask hides them and ``out_rows`` drops padding rows.
+    Padding rows and pages index real data of the same request; slots past a
+    request's end in its last page may hold anything (NaN included), so their
+    values are zeroed (``past_end``). ``hidden`` masks keys, ``out_rows`` drops
+    padding rows.
     """
 
-    query_tokens: torch.Tensor  # int64 [b, lq], token of each query row
-    kv_blocks: torch.Tensor | None  # int64 [b, lk], cache block of each key (None: no cache)
-    kv_offsets: torch.Tensor | None  # int64 [b, lk], offset in that block
-    kv_tokens: torch.Tensor | None  # int64 [b, lk], token of each key (no-cache attention)
-    hidden: torch.Tensor  # bool [b, 1, 1, lq, lk], True = key not visible
-    out_rows: torch.Tensor | None  # int64 [n], real rows of the flat [b * lq]; None = all
+    batch: int
+    query_len: int
+    key_len: int
+    query_tokens: torch.Tensor  # int64 [batch * query_len], token of each query row
+    kv_blocks: torch.Tensor | None  # int64 [batch * key_len / block_size] (None: no cache)
+    kv_tokens: torch.Tensor | None  # int64 [batch * key_len], token of each key (no cache)
+    hidden: torch.Tensor  # bool [batch, 1, 1, query_len, key_len], True = key not visible
+    past_end: torch.Tensor | None  # bool [batch, 1, key_len, 1], keys past seq_len; None: none
+    out_rows: torch.Tensor | None  # int64 [n], real rows of the [batch * query_len]; None = all
     out_tokens: torch.Tensor  # int64 [n], their token indices
 
 
@@ -72,7 +84,7 @@ class ReferenceProvider(AttentionProvider):
         tiles = tuple(
             tile
             for requests in _request_groups(host, plan.num_decodes)
-            for tile in _tiles(plan, host, requests)
+            for tile in _group_tiles(plan, host, requests)
         )
         return ReferenceData(tiles, _kv_write(plan))
 
@@ -106,19 +118,24 @@ class ReferenceProvider(AttentionProvider):
         value: torch.Tensor | None = None,
     ) -> None:
         spec = plan.spec
+        heads, kv_heads, head_size = spec.num_heads, spec.num_kv_heads, spec.head_size
         for tile in plan.provider_data.tiles:
+            kv_shape = (tile.batch, tile.key_len, kv_heads, head_size)
             if key_cache is None:
-                tile_k, tile_v = key[tile.kv_tokens], value[tile.kv_tokens]
+                tile_k = key.index_select(0, tile.kv_tokens).view(kv_shape)
+                tile_v = value.index_select(0, tile.kv_tokens).view(kv_shape)
             else:
-                tile_k = key_cache[tile.kv_blocks, tile.kv_offsets]
-                tile_v = value_cache[tile.kv_blocks, tile.kv_offsets]
+                tile_k = key_cache.index_select(0, tile.kv_blocks).view(kv_shape)
+                tile_v = value_cache.index_select(0, tile.kv_blocks).view(kv_shape)
+            tile_q = query.index_select(0, tile.query_tokens)
             rows = masked_attention(
-                query[tile.query_tokens],
+                tile_q.view(tile.batch, tile.query_len, heads, head_size),
                 tile_k,
                 tile_v,
                 tile.hidden,
                 spec.softmax_scale,
                 spec.logits_soft_cap,
+                tile.past_end,
             )
             if tile.out_rows is not None:
                 rows = rows.index_select(0, tile.out_rows)
@@ -132,6 +149,7 @@ def masked_attention(
     hidden: torch.Tensor,
     scale: float,
     soft_cap: float | None,
+    past_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched attention in float32.
 
@@ -139,6 +157,8 @@ def masked_attention(
         query: ``[b, lq, heads, head_size]``.
         key, value: ``[b, lk, kv_heads, head_size]``.
         hidden: bool ``[b, 1, 1, lq, lk]``, True where a key is not visible.
+        past_end: bool ``[b, 1, lk, 1]``, True where ``value`` may be garbage
+            (zeroed first, since a hidden key's weight 0 times NaN is NaN).
 
     Returns:
         float32 ``[b * lq, heads, head_size]`` (rows with no visible key are NaN).
@@ -148,15 +168,24 @@ def masked_attention(
     group = heads // kv_heads
     q = query.to(torch.float32).view(b, lq, kv_heads, group, head_size)
     q = q.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * lq, head_size)
-    k = key.to(torch.float32).permute(0, 2, 3, 1)  # [b, kv_heads, head_size, lk]
-    v = value.to(torch.float32).permute(0, 2, 1, 3)  # [b, kv_heads, lk, head_size]
-    scores = torch.matmul(q, k).mul_(scale)
+    k = _float32_heads_first(key)
+    v = _float32_heads_first(value)
+    if past_end is not None:
+        v.masked_fill_(past_end, 0.0)
+    scores = torch.matmul(q, k.transpose(2, 3)).mul_(scale)
     if soft_cap is not None:
         scores = scores.div_(soft_cap).tanh_().mul_(soft_cap)
     scores = scores.view(b, kv_heads, group, lq, lk).masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, kv_heads, group * lq, lk)
     out = torch.matmul(probs, v).view(b, kv_heads, group, lq, head_size)
     return out.permute(0, 3, 1, 2, 4).reshape(b * lq, heads, head_size)
+
+
+def _float32_heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[b, lk, kv_heads, d]`` -> contiguous float32 ``[b, kv_heads, lk, d]`` in one copy."""
+    b, lk, kv_heads, head_size = x.shape
+    out = torch.empty(b, kv_heads, lk, head_size, dtype=torch.float32, device=x.device)
+    return out.copy_(x.permute(0, 2, 1, 3))
 
 
 def _request_groups(host: HostArrays, num_decodes: int) -> list[np.ndarray]:
@@ -179,70 +208,191 @@ def _length_class(lengths: np.ndarray) -> np.ndarray:
     return np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
 
 
-def _tiles(plan: AttentionPlan, host: HostArrays, requests: np.ndarray) -> list[Tile]:
-    """Split one group into tiles under the memory budget."""
+def _group_tiles(plan: AttentionPlan, host: HostArrays, requests: np.ndarray) -> list[Tile]:
+    """Tiles of one group: longest sequences first, as many per tile as the budget
+    allows; a request too large for a tile on its own is split by query rows."""
     spec = plan.spec
-    lq = int(host.query_lens[requests].max())
-    lk = int(host.seq_lens[requests].max())
-    per_request = max(spec.num_heads * lq * lk, lk * spec.num_kv_heads * spec.head_size)
-    per_tile = max(1, TILE_ELEMENTS // per_request)
-    if per_tile > 1 or spec.num_heads * lq * lk <= TILE_ELEMENTS:
-        return [
-            _tile(plan, host, requests[i : i + per_tile], 0, _NO_SPLIT)
-            for i in range(0, len(requests), per_tile)
-        ]
-    # One request is too large on its own: split its query rows.
-    rows = max(1, TILE_ELEMENTS // (spec.num_heads * lk))
-    return [
-        _tile(plan, host, requests[i : i + 1], start, start + rows)
-        for i in range(len(requests))
-        for start in range(0, int(host.query_lens[requests[i]]), rows)
+    requests = requests[np.argsort(-host.seq_lens[requests], kind="stable")]
+    padded = _round_up(host.seq_lens[requests], spec.block_size)
+    alone = spec.num_heads * host.query_lens[requests] * padded > TILE_ELEMENTS
+    tiles = [tile for r in requests[alone] for tile in _row_split_tiles(plan, host, r)]
+    if not alone.all():
+        tiles += _batched_tiles(plan, host, requests[~alone])
+    return tiles
+
+
+def _batched_tiles(plan: AttentionPlan, host: HostArrays, requests: np.ndarray) -> list[Tile]:
+    """Group-wide index tensors built once and sliced into tiles (``requests`` sorted
+    by decreasing sequence length, so each tile is as short as its first request)."""
+    spec, device = plan.spec, plan.device
+    query_lens, seq_lens = host.query_lens[requests], host.seq_lens[requests]
+    starts = host.cu_seqlens_q[requests]
+    query_len = int(query_lens.max())
+    rows = np.arange(query_len)
+    num_pages = -(-seq_lens // spec.block_size)
+    key_len = int(num_pages[0]) * spec.block_size
+    token_grid = starts[:, None] + np.minimum(rows, query_lens[:, None] - 1)
+    query_tokens = _to(token_grid.ravel(), device)
+    pages = _pages(plan, requests, num_pages, int(num_pages[0]))
+    kv_tokens = None
+    if not plan.has_cache:
+        key_pos = np.minimum(np.arange(key_len), seq_lens[:, None] - 1)
+        kv_tokens = _to(starts[:, None] + key_pos, device)
+    masks = None
+    if len(requests) * query_len * key_len <= GROUP_MASK_ELEMENTS:
+        masks = _masks(spec, host, requests, rows, key_len, device)
+    every_row_real = bool((query_lens == query_len).all())
+    bounds = list(_tile_bounds(spec, num_pages, query_len))
+    tile_blocks = _split_pages(pages, bounds, num_pages)
+    tiles = []
+    for (first, end), blocks in zip(bounds, tile_blocks):
+        part, tokens = slice(first, end), slice(first * query_len, end * query_len)
+        keys = int(num_pages[first]) * spec.block_size
+        if masks is None:
+            hidden, past_end = _masks(spec, host, requests[part], rows, keys, device)
+        else:
+            hidden, past_end = masks[0][part, ..., :keys], masks[1][part, :, :keys]
+        out_rows, out_tokens = None, query_tokens[tokens]
+        if not every_row_real:
+            real = np.flatnonzero(rows < query_lens[part, None])
+            out_rows, out_tokens = _to(real, device), _to(token_grid[part].ravel()[real], device)
+        tiles.append(
+            Tile(
+                batch=end - first,
+                query_len=query_len,
+                key_len=keys,
+                query_tokens=query_tokens[tokens],
+                kv_blocks=blocks,
+                kv_tokens=None if kv_tokens is None else kv_tokens[part, :keys].reshape(-1),
+                hidden=hidden,
+                past_end=past_end if (seq_lens[part] < keys).any() else None,
+                out_rows=out_rows,
+                out_tokens=out_tokens,
+            )
+        )
+    return tiles
+
+
+def _split_pages(
+    pages: torch.Tensor | None, bounds: list[tuple[int, int]], num_pages: np.ndarray
+) -> list[torch.Tensor | None]:
+    """Each tile's flat block ids (its rows, its first ``num_pages[first]`` columns),
+    gathered in one op and split into views."""
+    if pages is None:
+        return [None] * len(bounds)
+    width = pages.shape[1]
+    flat = [
+        (np.arange(first, end)[:, None] * width + np.arange(num_pages[first])).ravel()
+        for first, end in bounds
     ]
+    gathered = pages.reshape(-1).index_select(0, _to(np.concatenate(flat), pages.device))
+    return list(torch.split(gathered, [len(f) for f in flat]))
 
 
-def _tile(
-    plan: AttentionPlan, host: HostArrays, requests: np.ndarray, row_start: int, row_end: int
-) -> Tile:
-    """Indices and mask for ``requests``, query rows ``row_start:row_end`` of each."""
-    spec = plan.spec
-    query_lens = host.query_lens[requests][:, None]
-    context_lens = host.context_lens[requests][:, None]
-    seq_lens = host.seq_lens[requests][:, None]
-    rows = np.arange(row_start, min(row_end, int(query_lens.max())))
-    key_len = int(seq_lens.max())
-    if spec.causal:  # keys past the last query row's position are never visible
-        key_len = min(key_len, int((context_lens + rows[-1]).max()) + 1)
-    positions = np.arange(key_len)
+def _tile_bounds(
+    spec: AttentionSpec, num_pages: np.ndarray, query_len: int
+) -> Iterator[tuple[int, int]]:
+    """``(first, end)`` request ranges under the budget; ``num_pages`` is decreasing."""
+    first = 0
+    while first < len(num_pages):
+        keys = int(num_pages[first]) * spec.block_size
+        per_request = max(
+            spec.num_heads * query_len * keys, keys * spec.num_kv_heads * spec.head_size
+        )
+        end = min(len(num_pages), first + max(1, TILE_ELEMENTS // per_request))
+        yield first, end
+        first = end
 
-    row_valid = rows < query_lens  # [b, lq]
-    query_pos = context_lens + rows  # [b, lq]
-    visible = row_valid[:, :, None] & (positions < seq_lens)[:, None, :]
-    if spec.causal:
-        visible &= positions <= query_pos[:, :, None]
-    if spec.sliding_window is not None:
-        visible &= positions > query_pos[:, :, None] - spec.sliding_window
-        if not spec.causal:
-            visible &= positions < query_pos[:, :, None] + spec.sliding_window
 
-    starts = host.cu_seqlens_q[requests][:, None]
-    query_tokens = starts + np.minimum(rows, query_lens - 1)
-    key_pos = np.minimum(positions, seq_lens - 1)  # padding keys repeat a real key
-    device = plan.device
-    kv_blocks = kv_offsets = None
-    if plan.has_cache:
-        block_cols = _to(key_pos // spec.block_size, device)
-        kv_blocks = plan.block_tables[_to(requests[:, None], device), block_cols].long()
-        kv_offsets = _to(key_pos % spec.block_size, device)
-    out_rows = np.flatnonzero(row_valid.ravel())
-    return Tile(
-        query_tokens=_to(query_tokens, device),
-        kv_blocks=kv_blocks,
-        kv_offsets=kv_offsets,
-        kv_tokens=None if plan.has_context else _to(starts + key_pos, device),
-        hidden=_to(~visible[:, None, None], device, np.bool_),
-        out_rows=None if out_rows.size == row_valid.size else _to(out_rows, device),
-        out_tokens=_to(query_tokens.ravel()[out_rows], device),
+def _row_split_tiles(plan: AttentionPlan, host: HostArrays, request: int) -> list[Tile]:
+    """One request in chunks of query rows; causal chunks read only the keys they see."""
+    spec, device = plan.spec, plan.device
+    query_len, seq_len = int(host.query_lens[request]), int(host.seq_lens[request])
+    context_len, start = int(host.context_lens[request]), int(host.cu_seqlens_q[request])
+    chunk = max(1, TILE_ELEMENTS // (spec.num_heads * _round_up(seq_len, spec.block_size)))
+    requests = np.array([request])
+    own_pages = np.array([-(-seq_len // spec.block_size)])
+    tiles = []
+    for first in range(0, query_len, chunk):
+        rows = np.arange(first, min(first + chunk, query_len))
+        keys = min(seq_len, context_len + int(rows[-1]) + 1) if spec.causal else seq_len
+        tile_pages = -(-keys // spec.block_size)
+        tile_keys = tile_pages * spec.block_size
+        pages = _pages(plan, requests, own_pages, tile_pages)
+        kv_tokens = None
+        if not plan.has_cache:
+            kv_tokens = _to(start + np.minimum(np.arange(tile_keys), seq_len - 1), device)
+        hidden, past_end = _masks(spec, host, requests, rows, tile_keys, device)
+        query_tokens = _to(start + rows, device)
+        tiles.append(
+            Tile(
+                batch=1,
+                query_len=len(rows),
+                key_len=tile_keys,
+                query_tokens=query_tokens,
+                kv_blocks=None if pages is None else pages.reshape(-1),
+                kv_tokens=kv_tokens,
+                hidden=hidden,
+                past_end=past_end if seq_len < tile_keys else None,
+                out_rows=None,
+                out_tokens=query_tokens,
+            )
+        )
+    return tiles
+
+
+def _masks(
+    spec: AttentionSpec,
+    host: HostArrays,
+    requests: np.ndarray,
+    rows: np.ndarray,
+    key_len: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden`` bool ``[b, 1, 1, len(rows), key_len]`` and ``past_end`` bool
+    ``[b, 1, key_len, 1]`` on ``device``."""
+    hidden = ~_visible(spec, host, requests, rows, key_len)
+    past_end = np.arange(key_len) >= host.seq_lens[requests][:, None]
+    return (
+        _to(hidden[:, None, None], device, np.bool_),
+        _to(past_end[:, None, :, None], device, np.bool_),
     )
+
+
+def _visible(
+    spec: AttentionSpec, host: HostArrays, requests: np.ndarray, rows: np.ndarray, key_len: int
+) -> np.ndarray:
+    """bool ``[len(requests), len(rows), key_len]``: which key each query row sees."""
+    positions = np.arange(key_len)
+    query_lens = host.query_lens[requests][:, None]
+    query_pos = (host.context_lens[requests][:, None] + rows)[:, :, None]
+    visible = (rows < query_lens)[:, :, None] & (positions < host.seq_lens[requests][:, None, None])
+    if spec.causal:
+        visible &= positions <= query_pos
+    if spec.sliding_window is not None:
+        visible &= positions > query_pos - spec.sliding_window
+        if not spec.causal:
+            visible &= positions < query_pos + spec.sliding_window
+    return visible
+
+
+def _pages(
+    plan: AttentionPlan, requests: np.ndarray, own_pages: np.ndarray, num_pages: int
+) -> torch.Tensor | None:
+    """int64 ``[len(requests), num_pages]`` block ids on the plan's device; columns past
+    a request's own pages repeat its first page. ``None`` without a cache."""
+    if not plan.has_cache:
+        return None
+    device = plan.device
+    pages = plan.block_tables.index_select(0, _to(requests, device))[:, :num_pages].long()
+    if (own_pages < num_pages).any():
+        own = _to(np.arange(num_pages) < own_pages[:, None], device, np.bool_)
+        pages = torch.where(own, pages, pages[:, :1])
+    return pages
+
+
+def _round_up(lengths: np.ndarray, block_size: int) -> np.ndarray:
+    return -(-lengths // block_size) * block_size
 
 
 def _kv_write(plan: AttentionPlan) -> KVWrite:
