@@ -1,0 +1,83 @@
+"""NPU worker and model runner: vLLM's GPU ones with torch.npu in place of torch.cuda.
+
+Written against vLLM 0.32's ``Worker`` / ``GPUModelRunner`` and torch_npu's published
+API; it has not run on NPU hardware.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from vllm.platforms import current_platform
+from vllm.utils.mem_utils import MemorySnapshot
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.utils import request_memory
+
+from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
+
+# torch.cuda names vLLM's GPU runner and worker call, and their torch.npu twins.
+_CUDA_TO_NPU = (
+    "Stream",
+    "Event",
+    "current_stream",
+    "stream",
+    "synchronize",
+    "set_device",
+    "current_device",
+    "device_count",
+    "empty_cache",
+    "mem_get_info",
+    "get_device_properties",
+    "memory_stats",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+    "graph_pool_handle",
+)
+
+
+def route_cuda_to_npu() -> None:
+    """Point the ``torch.cuda`` functions vLLM's GPU code calls at ``torch.npu``.
+
+    The worker process of the NPU platform has no CUDA device; this makes the
+    inherited code (streams, events, memory queries) act on the NPU.
+    """
+    for name in _CUDA_TO_NPU:
+        if hasattr(torch.npu, name):
+            setattr(torch.cuda, name, getattr(torch.npu, name))
+
+
+class NPUModelRunner(GraphRunnerMixin, GPUModelRunner):
+    """vLLM's ``GPUModelRunner`` with npu-graphs capture; graph memory is profiled
+    by the bridge's method where vLLM profiles CUDA graphs (before the KV cache)."""
+
+    def profile_cudagraph_memory(self) -> int:
+        return self.profile_graph_memory()
+
+
+class NPUWorker(Worker):
+    """vLLM's GPU ``Worker`` set up on ``npu:<local_rank>`` with HCCL."""
+
+    def init_device(self) -> None:
+        route_cuda_to_npu()
+        self.device = torch.device(f"npu:{self.local_rank}")
+        torch.npu.set_device(self.device)
+        current_platform.check_if_supports_dtype(self.model_config.dtype)
+        init_worker_distributed_environment(
+            self.vllm_config,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
+            current_platform.dist_backend,
+        )
+        set_random_seed(self.model_config.seed)
+        gc.collect()
+        torch.npu.empty_cache()
+        self.init_snapshot = MemorySnapshot(device=self.device)
+        self.requested_memory = request_memory(self.init_snapshot, self.cache_config, 0)
+        self._init_workspace_and_model_runner()
+
+    def _make_model_runner(self) -> GPUModelRunner:
+        return NPUModelRunner(self.vllm_config, self.device)
