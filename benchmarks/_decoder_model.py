@@ -1,9 +1,10 @@
 """A Llama-shaped decoder built from torch ops, ``npu_attention`` and ``npu_graphs``.
 
-Each layer: RMSNorm, fused QKV projection, rotary embedding (neox style), paged
+Each layer: RMSNorm, fused QKV projection, rotary embedding (Meta's Llama form:
+interleaved pairs as complex numbers, applied to Q and K in one pass), paged
 attention (``npu_attention.run`` as an updatable task of ``npu_graphs``), output
-projection, RMSNorm, SiLU-gated MLP; residual adds. No embedding or LM head: the
-step maps hidden states to hidden states. The attention task's step arguments are
+projection, RMSNorm, SiLU-gated MLP; residual adds fused into the projections
+(``addmm``). No embedding or LM head: the step maps hidden states to hidden states. The attention task's step arguments are
 the plan's device tensors, so a captured graph reads them from the task registry's
 fixed buffers, which ``TaskRegistry.update`` refreshes before each replay.
 """
@@ -107,7 +108,7 @@ class LlamaDecoder:
         ]
         inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d)
         angles = torch.arange(c.max_position, device=device).float()[:, None] * inv_freq
-        self.cos, self.sin = angles.cos(), angles.sin()
+        self.rotary = torch.polar(torch.ones_like(angles), angles)  # complex64 [positions, d/2]
 
     def weight_bytes(self) -> int:
         tensors = [t for layer in self.layers for t in layer.values()] + [self.final_norm]
@@ -124,28 +125,29 @@ class LlamaDecoder:
     ) -> torch.Tensor:
         """``hidden`` ``[tokens, hidden_size]``, ``positions`` int64 ``[tokens]`` -> hidden."""
         c, d = self.config, self.config.head_size
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        rotary = self.rotary[positions][:, None, :]  # [tokens, 1, d/2]
         tokens = hidden.shape[0]
+        q_heads, kv_heads = c.num_heads, c.num_kv_heads
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, (c.hidden_size,), layer["input_norm"], eps=1e-5)
             qkv = F.linear(x, layer["qkv"])
-            q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], -1)
-            q = _rotate(q.view(tokens, c.num_heads, d), cos, sin)
-            k = _rotate(k.view(tokens, c.num_kv_heads, d), cos, sin)
-            v = v.reshape(tokens, c.num_kv_heads, d)
-            attn = torch.empty_like(q)
+            qk = _rotate(qkv[:, : (q_heads + kv_heads) * d].view(tokens, -1, d), rotary)
+            q, k = qk[:, :q_heads], qk[:, q_heads:]
+            v = qkv[:, (q_heads + kv_heads) * d :].view(tokens, kv_heads, d)
+            attn = torch.empty(tokens, q_heads, d, dtype=c.dtype, device=hidden.device)
             call_task(
                 attention_task, q, k, v, self.key_caches[index], self.value_caches[index], attn,
                 step=step, derive=plan_tensors, template=step,
             )  # fmt: skip
-            hidden = hidden + F.linear(attn.view(tokens, -1), layer["o"])
+            hidden = torch.addmm(hidden, attn.view(tokens, -1), layer["o"].t())
             x = F.rms_norm(hidden, (c.hidden_size,), layer["post_norm"], eps=1e-5)
             gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer["down"])
+            hidden = torch.addmm(hidden, F.silu(gate) * up, layer["down"].t())
         return F.rms_norm(hidden, (c.hidden_size,), self.final_norm, eps=1e-5)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotary embedding of ``x`` ``[tokens, heads, d]``; cos/sin ``[tokens, 1, d/2]``."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+def _rotate(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[tokens, heads, d]`` (pairs ``(2i, 2i+1)`` rotated by
+    ``rotary`` ``[tokens, 1, d/2]``, complex); returns a new contiguous tensor."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotary).flatten(-2).to(x.dtype)

@@ -126,12 +126,34 @@ def tune(device: torch.device) -> dict[str, Any]:
     }
 
 
+def profile_kernels(device: torch.device) -> None:
+    """Device time of each kernel of batch 1 x 4096 (block 128), triton and SDPA."""
+    problem = DecodeProblem(1, 4096, device)
+    run, _ = problem.paged_runner(TritonProvider(), 128)
+    for name, fn in (("triton", run), ("sdpa", problem.sdpa)):
+        fn()
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profiler:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        print(name)
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=6))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="sweep launch parameters first")
     parser.add_argument("--quick", action="store_true", help="batch <= 64, context <= 4096")
+    parser.add_argument(
+        "--profile", action="store_true", help="only list kernel times of batch 1 x 4096"
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
+    if args.profile:
+        profile_kernels(device)
+        return
     copy_bw = _timing.copy_bandwidth(device)
     floor_ms = _timing.graph_launch_floor_ms(device)
     provider = TritonProvider()

@@ -10,7 +10,8 @@ runs the model, graph mode calls ``TaskRegistry.update`` (copies the plan's devi
 tensors into the graph's fixed buffers) and replays. Reported per batch size:
 - step time: wall time per step over a run of steps (host and device together);
 - replay time: device time of one graph replay (CUDA events);
-- host time of ``plan`` and of ``update`` per step;
+- host time of ``plan`` and of ``update`` per step (``plan_us`` inside the step loop,
+  where waiting for the device shows up too; ``idle_plan_us`` with the device idle);
 - the memory-bound floor: bytes of weights and K/V read per step / copy bandwidth
   measured in the same run;
 - graph vs eager outputs on a step other than the captured one: max abs difference
@@ -116,7 +117,7 @@ def measure_graph(
         t0 = time.perf_counter()
         step = steps.make_step(batch, i)
         t1 = time.perf_counter()
-        registry.update(batch, step)
+        registry.update(batch, step, changed=True)
         t2 = time.perf_counter()
         with graph_dispatch(RuntimeMode.FULL, key=batch):
             wrapper(*steps.inputs(batch), step)
@@ -131,8 +132,15 @@ def measure_graph(
         end.record()
         end.synchronize()
         replays.append(begin.elapsed_time(end))
+    idle_plan_s = 0.0  # plan's own host cost, with nothing queued on the device to wait for
+    for i in range(num_steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        steps.make_step(batch, i)
+        idle_plan_s += time.perf_counter() - t0
     return {
         "graph_step_ms": step_ms,
+        "idle_plan_host_us": idle_plan_s * 1e6 / num_steps,
         "replay_ms": float(np.median(replays)),
         "plan_host_us": plan_s * 1e6 / num_steps,
         "update_host_us": update_s * 1e6 / num_steps,
@@ -181,6 +189,7 @@ def main() -> None:
             "replay/floor": graph["replay_ms"] / floor_ms,
             "step/floor": graph["graph_step_ms"] / floor_ms,
             "plan_us": graph["plan_host_us"],
+            "idle_plan_us": graph["idle_plan_host_us"],
             "update_us": graph["update_host_us"],
             "update/step": graph["update_host_us"] * 1e-3 / graph["graph_step_ms"],
             "speedup": eager_ms / graph["graph_step_ms"],

@@ -353,6 +353,15 @@ def test_gpu_head_sizes_and_groups(head_size: int, heads: tuple[int, int]) -> No
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("head_size", [192, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_large_heads_fit_shared_memory(head_size: int, dtype: torch.dtype) -> None:
+    spec = AttentionSpec(8, 2, head_size, block_size=128, dtype=dtype)
+    batch = Batch(spec, [1, 1, 200, 7], [300, 0, 100, 500], num_decodes=2, pad_tokens=2)
+    assert_matches_reference(batch, batch.run())
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize(
     "features",
     [

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 _DECODE_STATES = (BatchState.DECODE_ONLY, BatchState.SPEC_DECODING)
 _MAX_KV_SPLITS = 64
+_SHARED_MEMORY_BUDGET = 224 * 1024  # bytes of tiles per program (H100: 227 KiB)
 
 
 @dataclass(frozen=True)
@@ -194,11 +195,23 @@ def _launch_config(
         block_m = params.get("block_m", 128) if spec.head_size <= 128 else 64
         block_m = max(block_m, 1 << (queries_per_kv - 1).bit_length())
     num_warps = params["num_warps"] if spec.head_size <= 128 else 4
+    num_stages = params["num_stages"]
+    # Keep the Q tile and the pipelined K/V tiles within the shared memory of a multiprocessor.
+    head_pad = 1 << (spec.head_size - 1).bit_length()
+    element = torch.finfo(spec.dtype).bits // 8
+
+    def shared_bytes() -> int:
+        return (num_stages * 2 * block_n + block_m) * head_pad * element
+
+    while shared_bytes() > _SHARED_MEMORY_BUDGET and block_n > 16:
+        block_n //= 2
+    while shared_bytes() > _SHARED_MEMORY_BUDGET and num_stages > 1:
+        num_stages -= 1
     return AttentionLaunchConfig(
         block_m=block_m,
         block_n=block_n,
         num_warps=num_warps,
-        num_stages=params["num_stages"],
+        num_stages=num_stages,
         num_splits=num_kv_splits if decode_tiles else 1,
     )
 

@@ -85,7 +85,6 @@ def _attend_keys(
     stride_vb,
     stride_vt,
     stride_vd,
-    qk_scale,
     soft_cap,
     window,
     HEAD_SIZE: tl.constexpr,
@@ -132,11 +131,9 @@ def _attend_keys(
             mask=n_mask[None, :] & d_mask[:, None],
             other=0.0,
         )
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # q carries the scale
         if USE_SOFT_CAP:
-            scores = _softcap(scores * qk_scale, soft_cap) * 1.4426950408889634
-        else:
-            scores = scores * qk_scale
+            scores = _softcap(scores, soft_cap) * 1.4426950408889634
         if MASKED:
             visible = n_mask[None, :]
             if CAUSAL:
@@ -241,6 +238,7 @@ def _paged_attention_kernel(
         mask=row_mask[:, None] & (offs_d < HEAD_SIZE)[None, :],
         other=0.0,
     )
+    q = (q * qk_scale).to(q.dtype)
 
     # Keys this tile can see: [kv_lo, kv_hi); all of [kv_lo, full_hi) is visible to every row.
     last_row_pos = context_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
@@ -273,14 +271,14 @@ def _paged_attention_kernel(
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window,
+        soft_cap, window,
         HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, False,
         CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window,
+        soft_cap, window,
         HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, True,
         CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
