@@ -11,7 +11,7 @@ from npu_attention.spec import AttentionSpec
 
 
 def as_host_array(values: Any, name: str) -> np.ndarray:
-    """A 1-D int64 numpy array from a CPU tensor, numpy array or sequence of ints."""
+    """A new 1-D int64 numpy array from a CPU tensor, numpy array or sequence of ints."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(f"{name} must be on the host (cpu), got a tensor on {values.device}")
@@ -25,7 +25,7 @@ def as_host_array(values: Any, name: str) -> np.ndarray:
             raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
     if array.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(array.shape)}")
-    return array.astype(np.int64, copy=False)
+    return array.astype(np.int64)  # a copy: callers reuse their host buffers every step
 
 
 def as_int_tensor(values: Any, name: str, ndim: int) -> torch.Tensor:
