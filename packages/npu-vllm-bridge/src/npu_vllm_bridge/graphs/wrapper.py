@@ -47,6 +47,7 @@ class BridgeGraphWrapper:
         runtime_mode: ``CUDAGraphMode.FULL`` or ``CUDAGraphMode.PIECEWISE``.
         num_attention_layers: attention tasks each FULL capture must record
             (checked at capture); ``None`` to skip the check.
+        graph_backend: npu-graphs backend name; default: the current platform's.
         **kwargs: vLLM's wrapper options (``cudagraph_options``), accepted and unused.
     """
 
@@ -58,6 +59,7 @@ class BridgeGraphWrapper:
         vllm_config: VllmConfig,
         runtime_mode: CUDAGraphMode,
         num_attention_layers: int | None = None,
+        graph_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
         if runtime_mode not in _RUNTIME_MODES:
@@ -75,7 +77,7 @@ class BridgeGraphWrapper:
         )
         self.graphs = GraphWrapper(
             runnable,
-            backend=get_backend(graph_backend_name()),
+            backend=get_backend(graph_backend or graph_backend_name()),
             mode=self.graph_mode,
             tasks=self.tasks,
             name=f"{type(runnable).__name__}[{runtime_mode.name}]",

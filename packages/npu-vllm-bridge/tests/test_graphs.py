@@ -1,0 +1,262 @@
+"""Graph wiring on host graphs: capture, task update with each step's plan, replay.
+
+The attention of a decode step is captured once (through the bridge's updatable
+task and its fixed-shape host provider), then replayed for other steps of the same
+batch size with other sequence lengths, block tables and slots. Every replay must
+match float64 dense attention over the raw K/V (tolerance 2e-5), so a stale host
+argument (the staleness an NPU graph would have without task update) shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bridge_batches import (
+    HEAD_SIZE,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    make_batch,
+    naive_attention,
+    packed_kv_cache,
+)
+from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.forward_context import BatchDescriptor, set_forward_context
+
+import npu_attention
+from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
+from npu_vllm_bridge.attention import graph_provider
+from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
+from npu_vllm_bridge.attention.kv_cache import split_kv_cache
+from npu_vllm_bridge.graphs.counters import graph_counters, reset_graph_counters
+from npu_vllm_bridge.graphs.tasks import run_attention
+from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, step_plan
+
+BLOCK_SIZE, NUM_BLOCKS, BATCH = 16, 96, 4
+SPEC = npu_attention.AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32)
+SCALE = HEAD_SIZE**-0.5
+ATOL = 2e-5
+# Each step: (context lengths of the 4 decodes); the last has a padding request.
+STEPS = [(40, 3, 77, 15), (41, 4, 78, 16), (7, 90, 1, 33), (12, 5, 64, None)]
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    graph_provider.register()
+
+
+def _plan(batch) -> npu_attention.AttentionPlan:
+    cm = batch.common
+    return npu_attention.plan(
+        cm.query_start_loc_cpu,
+        cm.seq_lens_cpu_upper_bound,
+        cm.block_table_tensor,
+        cm.slot_mapping,
+        cm.num_reqs,
+        SPEC,
+        provider=graph_provider.PROVIDER_NAME,
+    )
+
+
+def _step_batch(contexts, kv_cache, generator):
+    """A decode batch; ``None`` is a padding request (null block, slot -1, seq_len 1)."""
+    real = [(c, 1) for c in contexts if c is not None]
+    batch = make_batch(real, kv_cache, BLOCK_SIZE, generator, pad_tokens=BATCH - len(real))
+    if len(real) < BATCH:
+        cm = batch.common
+        pad = BATCH - len(real)
+        tables = torch.cat(
+            [
+                cm.block_table_tensor,
+                torch.zeros(pad, cm.block_table_tensor.shape[1], dtype=torch.int32),
+            ]
+        )
+        batch.common = cm.replace(
+            query_start_loc_cpu=torch.arange(BATCH + 1, dtype=torch.int32),
+            seq_lens_cpu_upper_bound=torch.cat(
+                [cm.seq_lens_cpu_upper_bound, torch.ones(pad, dtype=torch.int32)]
+            ),
+            num_reqs=BATCH,
+            block_table_tensor=tables,
+        )
+    return batch
+
+
+def _pad_width(batch, width: int):
+    """Block tables at a fixed width, as vLLM's persistent block table has."""
+    cm = batch.common
+    tables = torch.zeros(cm.num_reqs, width, dtype=torch.int32)
+    tables[:, : cm.block_table_tensor.shape[1]] = cm.block_table_tensor
+    batch.common = cm.replace(block_table_tensor=tables)
+    return batch
+
+
+class _Inputs:
+    """Static input buffers of the captured step (the caller owns addresses)."""
+
+    def __init__(self):
+        self.query = torch.zeros(BATCH, NUM_HEADS, HEAD_SIZE)
+        self.key = torch.zeros(BATCH, NUM_KV_HEADS, HEAD_SIZE)
+        self.value = torch.zeros(BATCH, NUM_KV_HEADS, HEAD_SIZE)
+
+    def load(self, batch):
+        self.query.copy_(batch.query)
+        self.key.copy_(batch.key)
+        self.value.copy_(batch.value)
+
+
+def test_task_update_makes_each_replay_match_naive_attention():
+    generator = torch.Generator().manual_seed(11)
+    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
+    inputs = _Inputs()
+    current = {}
+
+    def step(_):
+        out = torch.empty(BATCH, NUM_HEADS, HEAD_SIZE)
+        run_attention(
+            inputs.query * 1.0,
+            inputs.key,
+            inputs.value,
+            key_cache,
+            value_cache,
+            current["plan"],
+            out,
+        )
+        return out * 1.0
+
+    registry = TaskRegistry("attention", expected_tasks=1)
+    graph = GraphWrapper(step, backend="host", tasks=registry)
+    for index, contexts in enumerate(STEPS):
+        batch = _pad_width(_step_batch(contexts, kv_cache, generator), width=8)
+        inputs.load(batch)
+        current["plan"] = _plan(batch)
+        if index:
+            assert registry.update("decode-4", current["plan"]) is True
+        with graph_dispatch(RuntimeMode.FULL, "decode-4"):
+            out = graph(None)
+        real = sum(c is not None for c in contexts)
+        expected = naive_attention(batch, SCALE)[:real]
+        torch.testing.assert_close(out[:real].double(), expected, atol=ATOL, rtol=0)
+    assert graph.entry("decode-4").replays == len(STEPS) - 1
+
+
+def test_replay_without_update_keeps_capture_arguments():
+    """The control: without the update, the replay reads the captured step (stale)."""
+    generator = torch.Generator().manual_seed(12)
+    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
+    inputs = _Inputs()
+    current = {}
+
+    def step(_):
+        out = torch.empty(BATCH, NUM_HEADS, HEAD_SIZE)
+        run_attention(
+            inputs.query * 1.0,
+            inputs.key,
+            inputs.value,
+            key_cache,
+            value_cache,
+            current["plan"],
+            out,
+        )
+        return out * 1.0
+
+    graph = GraphWrapper(step, backend="host", tasks=TaskRegistry("attention"))
+    for contexts in STEPS[:2]:
+        batch = _pad_width(_step_batch(contexts, kv_cache, generator), width=8)
+        inputs.load(batch)
+        current["plan"] = _plan(batch)
+        with graph_dispatch(RuntimeMode.FULL, "decode-4"):
+            out = graph(None)
+    stale = (out.double() - naive_attention(batch, SCALE)).abs().max()
+    assert stale > 1e-2
+
+
+def _metadata(plan) -> BridgeAttentionMetadata:
+    return BridgeAttentionMetadata(plan=plan, num_actual_tokens=BATCH)
+
+
+def test_bridge_wrapper_captures_updates_and_replays_under_vllm_forward_context():
+    config = VllmConfig()
+    generator = torch.Generator().manual_seed(13)
+    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
+    inputs = _Inputs()
+
+    class TwoLayers(torch.nn.Module):
+        def forward(self, query):
+            out = torch.empty(BATCH, NUM_HEADS, HEAD_SIZE)
+            from vllm.forward_context import get_forward_context
+
+            plan = get_forward_context().attn_metadata["layer.0"].plan
+            run_attention(query, inputs.key, inputs.value, key_cache, value_cache, plan, out)
+            second = torch.empty_like(out)
+            run_attention(out * 0.5, None, None, key_cache, value_cache, plan, second)
+            return second
+
+    reset_graph_counters()
+    wrapper = BridgeGraphWrapper(
+        TwoLayers(), config, CUDAGraphMode.FULL, num_attention_layers=2, graph_backend="host"
+    )
+    descriptor = BatchDescriptor(num_tokens=BATCH, num_reqs=BATCH, uniform=True)
+    for contexts in STEPS:
+        batch = _pad_width(_step_batch(contexts, kv_cache, generator), width=8)
+        inputs.load(batch)
+        metadata = _metadata(_plan(batch))
+        per_layer = {"layer.0": metadata, "layer.1": metadata}
+        with set_forward_context(
+            per_layer,
+            config,
+            cudagraph_runtime_mode=CUDAGraphMode.FULL,
+            batch_descriptor=descriptor,
+        ):
+            graph_out = wrapper(inputs.query).clone()
+        with set_forward_context(per_layer, config):  # eager, as a step with no graph runs
+            eager_out = wrapper(inputs.query)
+        real = sum(c is not None for c in contexts)
+        torch.testing.assert_close(graph_out[:real], eager_out[:real], atol=ATOL, rtol=0)
+    counters = graph_counters()
+    assert counters.captured == 1
+    assert counters.replayed_steps == len(STEPS) - 1
+    assert counters.task_updates == len(STEPS) - 1
+    assert counters.eager_steps == len(STEPS)
+
+
+def test_wrapper_refuses_modes_it_cannot_run():
+    with pytest.raises(ValueError, match=r"FULL or PIECEWISE.*NONE"):
+        BridgeGraphWrapper(lambda: None, VllmConfig(), CUDAGraphMode.NONE, graph_backend="host")
+
+
+def test_step_plan_needs_one_plan_per_step():
+    generator = torch.Generator().manual_seed(14)
+    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    plans = [_plan(_step_batch(c, kv_cache, generator)) for c in STEPS[:2]]
+    one = _metadata(plans[0])
+    assert step_plan({"a": one, "b": one}) is plans[0]
+    with pytest.raises(ValueError, match=r"one attention plan per step.*got 2"):
+        step_plan({"a": one, "b": _metadata(plans[1])})
+
+
+def test_fixed_decode_provider_matches_naive_with_sliding_window():
+    spec = npu_attention.AttentionSpec(
+        NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, sliding_window=10
+    )
+    generator = torch.Generator().manual_seed(15)
+    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    batch = make_batch([(30, 1), (3, 1), (57, 1)], kv_cache, BLOCK_SIZE, generator)
+    cm = batch.common
+    plan = npu_attention.plan(
+        cm.query_start_loc_cpu,
+        cm.seq_lens_cpu_upper_bound,
+        cm.block_table_tensor,
+        cm.slot_mapping,
+        3,
+        spec,
+        provider=graph_provider.PROVIDER_NAME,
+    )
+    assert isinstance(plan.provider_data, graph_provider.FixedDecodeData)
+    out = torch.full_like(batch.query, float("nan"))
+    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
+    npu_attention.run(batch.query, batch.key, batch.value, key_cache, value_cache, plan, out)
+    expected = naive_attention(batch, SCALE, sliding_window=10)
+    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
