@@ -12,7 +12,7 @@ from npu_attention_cases import (
     run_case,
 )
 
-from npu_attention import AttentionSpec
+from npu_attention import AttentionSpec, plan, run
 
 
 @st.composite
@@ -56,3 +56,19 @@ def test_random_batches(batch, packed: bool, seed: int) -> None:
     out, paged, _ = run_case(case, seed, packed=packed)
     assert_close_to_oracle(case, out)
     assert_cache_written(case, paged)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    spec=specs(),
+    query_lens=st.lists(st.integers(0, 30), min_size=1, max_size=4),
+    pad_tokens=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches_without_cache(spec, query_lens, pad_tokens: int, seed: int) -> None:
+    case = make_case(spec, query_lens, [0] * len(query_lens), 0, seed=seed, pad_tokens=pad_tokens)
+    step = plan(case.cu_seqlens_q, case.seq_lens, None, None, 0, spec)
+    key, value = case.new_kv()
+    out = torch.full_like(case.query, -3.0)
+    run(case.query, key, value, None, None, step, out)
+    assert_close_to_oracle(case, out)

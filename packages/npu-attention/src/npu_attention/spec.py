@@ -45,8 +45,8 @@ class AttentionSpec:
         dtype: dtype of query, key, value, caches and output.
         causal: causal (decoder) or full (encoder) attention.
         sliding_window: ``W`` keeps the ``W`` most recent keys, the query's own
-            position included (key ``j`` is visible to query ``i`` iff ``i - W < j <= i``);
-            ``None`` for no window.
+            position included (key ``j`` is visible to query ``i`` iff ``i - W < j <= i``;
+            without ``causal``, iff ``|i - j| < W``); ``None`` for no window.
         logits_soft_cap: ``c`` replaces each score ``s`` by ``c * tanh(s / c)``; ``None`` off.
         scale: score scale; ``None`` means ``1 / sqrt(head_size)``.
         num_speculative_tokens: draft tokens verified per decode request (0 = none).
