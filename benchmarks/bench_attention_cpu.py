@@ -1,8 +1,9 @@
 """CPU cost of ``npu_attention.plan`` and of ``run`` with the reference provider.
 
-``plan``: microseconds per call (reference ``prepare`` included; its own time
-in the prepare column) for decode batches of 1, 64 and 512 requests, a mixed
-batch of 512, and the same with fixed buffers.
+``plan``: microseconds per call for decode batches of 1, 64 and 512 requests
+and a mixed batch of 512: without any provider's ``prepare`` (plan's own host
+work), with the reference provider's ``prepare`` (its own time in the prepare
+column), and with fixed buffers.
 
 ``run``: one layer (KV write + attention) of decode and prefill batches, small
 and large, beside a baseline measured in the same process: the straightforward
@@ -30,7 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from npu_attention import AttentionSpec, PlanBuffers, plan, run
+from npu_attention import AttentionSpec, PlanBuffers, plan, register_provider, run
+from npu_attention.providers.reference import ReferenceProvider
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE = 32, 8, 128, 128, torch.bfloat16
 SPEC = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype=DTYPE)
@@ -68,7 +70,7 @@ class Batch:
         self.key_cache = torch.randn(cache_shape).to(DTYPE)
         self.value_cache = torch.randn(cache_shape).to(DTYPE)
 
-    def plan(self, buffers: PlanBuffers | None = None):
+    def plan(self, buffers: PlanBuffers | None = None, provider: str | None = None):
         return plan(
             self.cu_seqlens_q,
             self.seq_lens,
@@ -77,6 +79,7 @@ class Batch:
             self.num_decodes,
             SPEC,
             buffers=buffers,
+            provider=provider,
         )
 
 
@@ -133,6 +136,18 @@ def prefill_batch(num_reqs: int, length: int, context: int) -> Batch:
     return Batch([length] * num_reqs, [context] * num_reqs, 0)
 
 
+class PlanOnlyProvider(ReferenceProvider):
+    """The reference provider without ``prepare``: times ``plan``'s own work."""
+
+    name = "plan_only"
+
+    def prepare(self, plan):
+        return None
+
+
+register_provider(PlanOnlyProvider.name, f"{__name__}:PlanOnlyProvider")
+
+
 def plan_rows(min_seconds: float) -> list[dict[str, Any]]:
     rows = []
     for name, batch in [
@@ -141,6 +156,14 @@ def plan_rows(min_seconds: float) -> list[dict[str, Any]]:
         ("decode x512", decode_batch(512, 1024)),
         ("mixed x512", mixed_batch(512)),
     ]:
+        rows.append(
+            {
+                "case": f"plan {name} (no provider prepare)",
+                "ours_us": median_us(
+                    lambda b=batch: b.plan(provider=PlanOnlyProvider.name), min_seconds
+                ),
+            }
+        )
         step = batch.plan()
         rows.append(
             {

@@ -7,6 +7,7 @@ dtype are ``npu_attention_cases.TOLERANCE``.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from npu_attention_cases import (
@@ -155,3 +156,16 @@ def test_tiles_split_under_memory_budget(
     assert len(step.provider_data.tiles) > 4
     assert_close_to_oracle(case, out)
     assert_cache_written(case, paged)
+
+
+def test_plan_with_tables_run_without_cache() -> None:
+    """A prefill plan made with block tables also serves ``run`` without caches."""
+    case = make_case(_spec(), [3, 11], [0, 0], 0, pad_tokens=1)
+    paged = case.paged(np.random.default_rng(0))
+    step = plan(
+        case.cu_seqlens_q, case.seq_lens, paged.block_tables, paged.slot_mapping, 0, case.spec
+    )
+    key, value = case.new_kv()
+    out = torch.full_like(case.query, -3.0)
+    run(case.query, key, value, None, None, step, out)
+    assert_close_to_oracle(case, out)

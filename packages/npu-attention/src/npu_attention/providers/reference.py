@@ -50,7 +50,8 @@ class Tile:
     key_len: int
     query_tokens: torch.Tensor  # int64 [batch * query_len], token of each query row
     kv_blocks: torch.Tensor | None  # int64 [batch * key_len / block_size] (None: no cache)
-    kv_tokens: torch.Tensor | None  # int64 [batch * key_len], token of each key (no cache)
+    kv_tokens: torch.Tensor | None  # int64 [batch * key_len], token of each key; None if
+    # the plan has context (attention without a cache needs context_lens all 0)
     hidden: torch.Tensor  # bool [batch, 1, 1, query_len, key_len], True = key not visible
     past_end: torch.Tensor | None  # bool [batch, 1, key_len, 1], keys past seq_len; None: none
     out_rows: torch.Tensor | None  # int64 [n], real rows of the [batch * query_len]; None = all
@@ -235,7 +236,7 @@ def _batched_tiles(plan: AttentionPlan, host: HostArrays, requests: np.ndarray) 
     query_tokens = _to(token_grid.ravel(), device)
     pages = _pages(plan, requests, num_pages, int(num_pages[0]))
     kv_tokens = None
-    if not plan.has_cache:
+    if not plan.has_context:  # keys are the step's own rows: attention without a cache
         key_pos = np.minimum(np.arange(key_len), seq_lens[:, None] - 1)
         kv_tokens = _to(starts[:, None] + key_pos, device)
     masks = None
@@ -320,7 +321,7 @@ def _row_split_tiles(plan: AttentionPlan, host: HostArrays, request: int) -> lis
         tile_keys = tile_pages * spec.block_size
         pages = _pages(plan, requests, own_pages, tile_pages)
         kv_tokens = None
-        if not plan.has_cache:
+        if not plan.has_context:
             kv_tokens = _to(start + np.minimum(np.arange(tile_keys), seq_len - 1), device)
         hidden, past_end = _masks(spec, host, requests, rows, tile_keys, device)
         query_tokens = _to(start + rows, device)
