@@ -134,24 +134,14 @@ def plan(
         raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
     host = _host_arrays(cu_seqlens_q, seq_lens)
     num_decodes = _inputs.check_decodes(num_decodes, host.query_lens, spec)
-    num_tokens = int(host.cu_seqlens_q[-1])
-    if block_tables is None:
-        block_tables = torch.zeros(len(host.seq_lens), 0, dtype=torch.int32)
-    if slot_mapping is None:
-        slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
-    tables = _inputs.as_int_tensor(block_tables, "block_tables", ndim=2)
-    slots = _inputs.as_int_tensor(slot_mapping, "slot_mapping", ndim=1)
+    tables, slots = _tables_and_slots(block_tables, slot_mapping, host, spec, num_blocks)
     device = _inputs.resolve_device(device, tables)
-    if tables.shape[1]:
-        _inputs.check_block_tables(tables, host.seq_lens, spec.block_size, num_blocks)
-    else:
-        _inputs.check_table_rows(tables, host.seq_lens)
-    _inputs.check_slot_mapping(slots, num_tokens, spec.block_size, num_blocks)
     chosen = get_provider(provider, device)
     if buffers is None:
-        cu_t, seq_t, ctx_t, tables_t, slots_t = _to_device(host, tables, slots, device)
+        tensors = _to_device(host, tables, slots, device)
     else:
-        cu_t, seq_t, ctx_t, tables_t, slots_t = buffers.load(host, tables, slots, device, spec)
+        tensors = buffers.load(host, tables, slots, device, spec)
+    cu_t, seq_t, ctx_t, tables_t, slots_t = tensors
     result = AttentionPlan(
         spec=spec,
         state=classify(host.query_lens, host.context_lens, num_decodes),
@@ -160,7 +150,7 @@ def plan(
         num_reqs=len(host.seq_lens),
         num_decodes=num_decodes,
         num_decode_tokens=int(host.cu_seqlens_q[num_decodes]),
-        num_actual_tokens=num_tokens,
+        num_actual_tokens=int(host.cu_seqlens_q[-1]),
         max_query_len=int(host.query_lens.max(initial=0)),
         max_seq_len=int(host.seq_lens.max(initial=0)),
         cu_seqlens_q_host=host.cu_seqlens_q.tolist(),
@@ -201,6 +191,25 @@ def _host_arrays(cu_seqlens_q: Any, seq_lens: Any) -> HostArrays:
     context_lens = seq - query_lens
     _inputs.check_seq_lens(seq, query_lens, context_lens)
     return HostArrays(cu, query_lens, seq, context_lens)
+
+
+def _tables_and_slots(
+    block_tables: Any, slot_mapping: Any, host: HostArrays, spec: AttentionSpec, num_blocks: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked integer tensors (on their own device); ``None`` means no cache / no writes."""
+    num_tokens = int(host.cu_seqlens_q[-1])
+    if block_tables is None:
+        block_tables = torch.zeros(len(host.seq_lens), 0, dtype=torch.int32)
+    if slot_mapping is None:
+        slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
+    tables = _inputs.as_int_tensor(block_tables, "block_tables", ndim=2)
+    slots = _inputs.as_int_tensor(slot_mapping, "slot_mapping", ndim=1)
+    if tables.shape[1]:
+        _inputs.check_block_tables(tables, host.seq_lens, spec.block_size, num_blocks)
+    else:
+        _inputs.check_table_rows(tables, host.seq_lens)
+    _inputs.check_slot_mapping(slots, num_tokens, spec.block_size, num_blocks)
+    return tables, slots
 
 
 def _to_device(
