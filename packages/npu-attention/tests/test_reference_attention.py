@@ -169,3 +169,45 @@ def test_plan_with_tables_run_without_cache() -> None:
     out = torch.full_like(case.query, -3.0)
     run(case.query, key, value, None, None, step, out)
     assert_close_to_oracle(case, out)
+
+
+def test_qkv_as_views_of_one_projection() -> None:
+    """vLLM passes query/key/value as column slices of the fused QKV output."""
+    case = make_case(_spec(), [1, 1, 9], [30, 2, 5], 2, pad_tokens=2)
+    paged = case.paged(np.random.default_rng(0))
+    spec, tokens = case.spec, case.query.shape[0]
+    key, value = case.new_kv()
+    q_width, kv_width = spec.num_heads * spec.head_size, spec.num_kv_heads * spec.head_size
+    qkv = torch.cat(
+        [case.query.reshape(tokens, -1), key.reshape(tokens, -1), value.reshape(tokens, -1)], 1
+    )
+    query = qkv[:, :q_width].view(tokens, spec.num_heads, spec.head_size)
+    key = qkv[:, q_width : q_width + kv_width].view(tokens, spec.num_kv_heads, spec.head_size)
+    value = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_size)
+    assert not query.is_contiguous()
+    out_buffer = torch.full((tokens, spec.num_heads, 2 * spec.head_size), -3.0)
+    out = out_buffer[:, :, : spec.head_size]  # a strided output view
+    step = plan(case.cu_seqlens_q, case.seq_lens, paged.block_tables, paged.slot_mapping, 2, spec)
+    run(query, key, value, paged.key_cache, paged.value_cache, step, out)
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+    assert (out_buffer[:, :, spec.head_size :] == -3.0).all()
+
+
+def test_negative_slots_among_real_tokens_are_not_written() -> None:
+    case = make_case(_spec(), [1, 6], [3, 0], 1)
+    paged = case.paged(np.random.default_rng(0))
+    slots = paged.slot_mapping.clone()
+    skipped = [2, 5]
+    slots[skipped] = -1
+    step = plan(case.cu_seqlens_q, case.seq_lens, paged.block_tables, slots, 1, case.spec)
+    key, value = case.new_kv()
+    out = torch.empty_like(case.query)
+    run(case.query, key, value, paged.key_cache, paged.value_cache, step, out)
+    bs = case.spec.block_size
+    kept = slots[slots >= 0]
+    torch.testing.assert_close(paged.key_cache[kept // bs, kept % bs], key[slots >= 0])
+    torch.testing.assert_close(paged.value_cache[kept // bs, kept % bs], value[slots >= 0])
+    dropped = paged.slot_mapping[skipped]
+    assert paged.key_cache[dropped // bs, dropped % bs].isnan().all()
+    assert paged.value_cache[dropped // bs, dropped % bs].isnan().all()
