@@ -14,6 +14,8 @@ tensors into the graph's fixed buffers) and replays. Reported per batch size:
   where waiting for the device shows up too; ``idle_plan_us`` with the device idle);
 - the memory-bound floor: bytes of weights and K/V read per step / copy bandwidth
   measured in the same run;
+- ``proj_only_ms``: device time of a graph of the step's weight projections alone
+  (``F.linear``, i.e. cuBLAS), the share of the replay no attention work can remove;
 - graph vs eager outputs on a step other than the captured one: max abs difference
   (both bf16; they may differ by rounding only where the two plans chose a different
   number of KV splits); the check requires relative L2 error <= 1e-2.
@@ -30,6 +32,7 @@ from typing import Any
 import _timing  # first: puts the packages' src on sys.path
 import numpy as np
 import torch
+import torch.nn.functional as F
 from _decoder_model import DecoderConfig, LlamaDecoder
 
 from npu_attention import AttentionPlan, plan
@@ -147,6 +150,35 @@ def measure_graph(
     }
 
 
+def projections_only_ms(model: LlamaDecoder, batch: int) -> float:
+    """Device time of a graph of the step's weight projections alone (the cuBLAS share)."""
+    c = model.config
+    x = torch.randn(batch, c.hidden_size, dtype=c.dtype, device=model.device)
+    h = torch.randn(batch, c.intermediate_size, dtype=c.dtype, device=model.device)
+
+    def projections() -> None:
+        for layer in model.layers:
+            F.linear(x, layer["qkv"])
+            F.linear(x, layer["o"])
+            F.linear(x, layer["gate_up"])
+            F.linear(h, layer["down"])
+
+    projections()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        projections()
+    times = []
+    for _ in range(20):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return float(np.median(times))
+
+
 def compare_graph_with_eager(
     wrapper: GraphWrapper, registry: TaskRegistry, steps: DecodeSteps, batch: int
 ) -> dict[str, float]:
@@ -180,6 +212,7 @@ def main() -> None:
         graph = measure_graph(wrapper, registry, steps, batch, args.steps)
         seq_lens = [int(s) for s in steps.seq_lens(batch, 0)]
         floor_ms = (model.weight_bytes() + model.kv_bytes_read(seq_lens)) / copy_bw * 1e3
+        projections_ms = projections_only_ms(model, batch)
         rows.append({
             "batch": batch,
             "eager_step_ms": eager_ms,
@@ -187,6 +220,7 @@ def main() -> None:
             "replay_ms": graph["replay_ms"],
             "floor_ms": floor_ms,
             "replay/floor": graph["replay_ms"] / floor_ms,
+            "proj_only_ms": projections_ms,
             "step/floor": graph["graph_step_ms"] / floor_ms,
             "plan_us": graph["plan_host_us"],
             "idle_plan_us": graph["idle_plan_host_us"],
