@@ -12,6 +12,7 @@ the tolerance covers only the kernel's own rounding of P and of the output).
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -258,6 +259,44 @@ def test_prepare_chooses_decode_tiles_only_for_decode_states() -> None:
     mixed = Batch(small_spec(), [1, 4], [5, 5], num_decodes=1)
     assert decode.plan.provider_data == TritonStepData(decode_tiles=True, num_kv_splits=1)
     assert mixed.plan.provider_data == TritonStepData(decode_tiles=False, num_kv_splits=1)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_padded_requests_of_a_larger_captured_batch_are_skipped(num_kv_splits: int) -> None:
+    """A graph captured for 4 decodes replays a 2-request step: the fixed buffers hold
+    neutral padding past the real requests (query length 0, sequence length 0)."""
+    captured = Batch(small_spec(), [1] * 4, [30, 5, 17, 40], num_decodes=4)
+    real = Batch(small_spec(), [1] * 2, [12, 33], num_decodes=2, seed=3)
+    step = captured.plan  # host fields (num_reqs=4, splits) as captured
+    step.provider_data = TritonStepData(decode_tiles=True, num_kv_splits=num_kv_splits)
+    step.cu_seqlens_q.copy_(torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32))
+    step.seq_lens.copy_(torch.tensor([13, 34, 0, 0], dtype=torch.int32))
+    step.block_tables.zero_()[:2, : real.block_tables.shape[1]] = real.plan.block_tables
+    step.slot_mapping.fill_(-1)[:2] = real.plan.slot_mapping
+    query = torch.cat([real.query, torch.full_like(real.query, float("nan"))])
+    out = torch.full_like(query, float("nan"))
+    provider = step.provider
+    for label, cache in (("key", real.key_cache), ("value", real.value_cache)):
+        assert cache.shape[0] <= getattr(captured, f"{label}_cache").shape[0]
+    provider.write_kv(real.key, real.value, real.key_cache, real.value_cache, step)
+    provider.attend(query, real.key_cache, real.value_cache, step, out)
+    assert_matches_reference(real, out[:2])
+    assert out[2:].isnan().all(), "rows of padded requests must be left untouched"
+
+
+def test_is_available_false_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert TritonProvider.is_available()
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise
+    assert not TritonProvider.is_available()
+
+
+def test_supports_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    provider = TritonProvider()
+    assert provider.supports_device(torch.device("cuda"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert provider.supports_device(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not provider.supports_device(torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- bad input
