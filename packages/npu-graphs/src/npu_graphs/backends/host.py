@@ -47,6 +47,17 @@ _ALLOC_OPS = frozenset(
     }
 )
 _METADATA_OPS = frozenset({"set_", "resize_", "resize_as_"})
+# Shape queries (what a traced graph with symbolic sizes calls): their host results
+# come from shapes, which are fixed per captured graph, so they are baked like any
+# shape and never redone.
+_SHAPE_QUERIES = frozenset(
+    {
+        _aten.sym_size.int,
+        _aten.sym_stride.int,
+        _aten.sym_numel.default,
+        _aten.sym_storage_offset.default,
+    }
+)
 
 
 class _Kind(enum.Enum):
@@ -271,6 +282,9 @@ class _Recorder(TorchDispatchMode):
         if self._update is not None:
             return self._update.issue(func, args, kwargs)
         outputs = func(*args, **kwargs)
+        if func in _SHAPE_QUERIES:
+            self._graph.append(_Op(func, args, kwargs, outputs, _Kind.VIEW))
+            return outputs
         _check_no_host_values(func, outputs)
         kind = _kind_of(func)
         if kind is _Kind.VIEW and not _aliases_inputs(outputs, args, kwargs):
