@@ -104,8 +104,16 @@ def tune(device: torch.device) -> dict[str, Any]:
     provider = TritonProvider()
     problem = PrefillProblem(*PROBLEMS["prefill"], device)
     trials = []
-    for block_m, block_n, warps, stages in itertools.product((128,), (64, 128), (4, 8), (2, 3)):
-        launch = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+    for pack, block_m, block_n, warps, stages in itertools.product(
+        (1, 0), (128,), (64, 128), (4, 8), (2, 3)
+    ):
+        launch = {
+            "pack_gqa": pack,
+            "block_m": block_m,
+            "block_n": block_n,
+            "num_warps": warps,
+            "num_stages": stages,
+        }
         provider.prefill_launch = launch
         try:
             result = measure(problem, provider, 128)
@@ -115,7 +123,7 @@ def tune(device: torch.device) -> dict[str, Any]:
         trials.append({**launch, "tflops": result["tflops"]})
         print(trials[-1])
     best = max(trials, key=lambda t: t["tflops"])
-    launch = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")}
+    launch = {k: best[k] for k in ("pack_gqa", "block_m", "block_n", "num_warps", "num_stages")}
     return {"launch": launch, "trials": trials}
 
 

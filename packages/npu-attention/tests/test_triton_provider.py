@@ -213,6 +213,13 @@ def test_small_case_matches_dense_reference(case: str) -> None:
     assert_matches_reference(batch, batch.run())
 
 
+def test_prefill_tiles_of_one_query_head_match_dense_reference() -> None:
+    provider = TritonProvider()
+    provider.prefill_launch = {**provider.prefill_launch, "block_m": 16, "pack_gqa": 0}
+    batch = Batch(small_spec(), [1, 20, 7], [30, 0, 9], num_decodes=1, pad_tokens=1)
+    assert_matches_reference(batch, batch.run(provider))
+
+
 def test_decode_with_kv_splits_matches_dense_reference() -> None:
     provider = TritonProvider()
     provider.min_tokens_per_split = 16

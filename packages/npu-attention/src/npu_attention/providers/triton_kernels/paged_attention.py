@@ -36,7 +36,9 @@ class AttentionLaunchConfig:
 
     ``block_m`` query rows (tokens x packed heads) per program, ``block_n`` keys
     per loop step; ``num_splits > 1`` splits each decode request's keys over that
-    many programs (decode tiles only).
+    many programs (decode tiles only). ``pack_gqa``: a program's rows are tokens times
+    the query heads of one KV head (always for decode tiles); otherwise tokens of
+    one query head.
     """
 
     block_m: int
@@ -44,6 +46,7 @@ class AttentionLaunchConfig:
     num_warps: int
     num_stages: int
     num_splits: int = 1
+    pack_gqa: bool = True
 
 
 @triton.jit
@@ -190,6 +193,7 @@ def _paged_attention_kernel(
     window,
     NUM_HEADS: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
+    ROWS_PER_TOKEN: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -205,7 +209,8 @@ def _paged_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    kv_head = tl.program_id(1)
+    head_group = tl.program_id(1)  # ROWS_PER_TOKEN query heads of one KV head
+    kv_head = head_group // (QUERIES_PER_KV // ROWS_PER_TOKEN)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     if DECODE_TILES:
@@ -225,9 +230,9 @@ def _paged_attention_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    token_in_req = q_tile * BLOCK_Q + offs_m // QUERIES_PER_KV
-    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
-    row_mask = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (token_in_req < q_len)
+    token_in_req = q_tile * BLOCK_Q + offs_m // ROWS_PER_TOKEN
+    head = head_group * ROWS_PER_TOKEN + offs_m % ROWS_PER_TOKEN
+    row_mask = (offs_m < BLOCK_Q * ROWS_PER_TOKEN) & (token_in_req < q_len)
     token = (q_start + token_in_req).to(tl.int64)
     query_pos = context_len + token_in_req
     q = tl.load(
@@ -372,7 +377,9 @@ def paged_attention(
     num_kv_heads = key_cache.shape[-2]
     queries_per_kv = num_heads // num_kv_heads
     head_pad = max(16, next_power_of_2(head_size))
-    block_q = config.block_m // queries_per_kv
+    rows_per_token = queries_per_kv if config.pack_gqa or decode_tiles else 1
+    block_q = config.block_m // rows_per_token
+    head_groups = num_heads // rows_per_token
     num_splits = config.num_splits if decode_tiles else 1
     if paged:
         block_size = key_cache.shape[1]
@@ -384,9 +391,9 @@ def paged_attention(
         v_strides = (0, *value_cache.stride())
         block_tables, stride_bt = seq_lens, 0
     if decode_tiles:
-        grid = (num_reqs, num_kv_heads, num_splits)
+        grid = (num_reqs, head_groups, num_splits)
     else:
-        grid = (num_tokens // block_q + num_reqs, num_kv_heads, 1)
+        grid = (num_tokens // block_q + num_reqs, head_groups, 1)
     split = num_splits > 1
     if split:
         partial_out = torch.empty(
@@ -422,6 +429,7 @@ def paged_attention(
         int(sliding_window or 0),
         NUM_HEADS=num_heads,
         QUERIES_PER_KV=queries_per_kv,
+        ROWS_PER_TOKEN=rows_per_token,
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
