@@ -116,9 +116,10 @@ def main() -> None:
         print("Graphs: off (--enforce-eager)")
     else:
         print(
-            f"Graphs: {counters.captured} captured ({counters.capture_bytes / 2**20:.1f} MiB); "
-            f"{counters.replayed_steps} steps replayed a graph, each after updating its "
-            f"attention tasks ({counters.task_updates} updates); {counters.eager_steps} steps ran eagerly"
+            f"Graphs: {counters.captured} captured ({counters.capture_bytes / 2**20:.1f} MiB). "
+            f"Steps: {counters.replayed_steps} replayed a FULL graph after updating its "
+            f"attention tasks ({counters.task_updates} updates), {counters.piecewise_steps} "
+            f"replayed PIECEWISE graphs, {counters.eager_steps} ran eagerly"
         )
 
 

@@ -2,8 +2,9 @@
 
 For each checkpoint (Llama, Qwen2 shapes; GQA; float32) the same prompts run:
 
-* through vLLM with the bridge (``NPU_BRIDGE_DEVICE=cpu``), once eager and once with
-  graphs (FULL_DECODE_ONLY host graphs: capture, per-step task update, replay);
+* through vLLM with the bridge (``NPU_BRIDGE_DEVICE=cpu``): eager, with FULL_DECODE_ONLY
+  host graphs (capture, per-step task update, replay) and with FULL_AND_PIECEWISE
+  (vLLM's compile path split at attention, pieces captured as host graphs);
 * through vLLM's own CPU backend (CPU_ATTN; the plugin inactive);
 * through transformers' greedy ``generate``.
 
@@ -78,22 +79,48 @@ def test_eager_matches_transformers_and_cpu_attn(references, tmp_path):
     assert result["counters"]["captured"] == 0 and result["counters"]["replayed_steps"] == 0
 
 
-def test_graphs_match_and_are_captured_replayed_and_updated(references, tmp_path):
+def test_full_decode_graphs_match_and_are_captured_replayed_and_updated(references, tmp_path):
     model, hf, cpu_attn = references
-    # Graph sizes 1, 2 and 4: the 6-request decode steps have no graph and run
-    # eagerly; the smaller ones replay, each after a task update.
+    # FULL graphs for decode sizes 1, 2 and 4: the 6-request decode steps have no
+    # graph and run eagerly, as do prefills; smaller decodes replay after a task update.
     result = run_engine(
         model,
         ROUNDS,
         bridge=True,
         tmp_path=tmp_path,
         enforce_eager=False,
-        compilation_config={"cudagraph_capture_sizes": [1, 2, 4]},
+        compilation_config={
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": [1, 2, 4],
+        },
     )
     _check_same_tokens(result["tokens"], hf, cpu_attn)
     counters = result["counters"]
     assert counters["captured"] == 3, counters
     assert counters["replayed_steps"] > 0, counters
     assert counters["task_updates"] == counters["replayed_steps"], counters
-    assert counters["eager_steps"] > 0, counters  # prefills and the 6-request decodes
+    assert counters["eager_steps"] > 0, counters
+    assert counters["piecewise_steps"] == 0, counters
     assert counters["capture_bytes"] > 0, counters
+
+
+def test_full_and_piecewise_graphs_match(references, tmp_path):
+    model, hf, cpu_attn = references
+    # vLLM's compile path splits the model at attention; prefill and mixed steps
+    # replay the pieces (attention eager between them), decodes replay FULL graphs.
+    result = run_engine(
+        model,
+        ROUNDS,
+        bridge=True,
+        tmp_path=tmp_path,
+        enforce_eager=False,
+        compilation_config={
+            "cudagraph_mode": "FULL_AND_PIECEWISE",
+            "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64],
+        },
+    )
+    _check_same_tokens(result["tokens"], hf, cpu_attn)
+    counters = result["counters"]
+    assert counters["replayed_steps"] > 0 and counters["piecewise_steps"] > 0, counters
+    assert counters["replayed_pieces"] >= 3 * counters["piecewise_steps"], counters  # 2 layers
+    assert counters["task_updates"] == counters["replayed_steps"], counters

@@ -10,19 +10,22 @@ class GraphCounters:
     """Counts since start-up (or the last :func:`reset_graph_counters`).
 
     Attributes:
-        captured: graphs captured (FULL and PIECEWISE pieces).
+        captured: graphs captured (one per FULL key, one per piece and PIECEWISE key).
         replayed_steps: model forwards served by replaying a FULL graph.
+        piecewise_steps: model forwards served by replaying PIECEWISE graphs (the
+            pieces between attention layers; attention runs eagerly between them).
         replayed_pieces: PIECEWISE piece replays.
         task_updates: FULL replays preceded by a re-issue of the attention tasks
             with the step's plan (a replay whose step equals the previous one
             needs none).
-        eager_steps: model forwards that ran eagerly (no graph for the size, a
-            mixed batch under FULL_DECODE_ONLY, or graphs off).
+        eager_steps: model forwards that ran without a graph (a size with no graph,
+            a mixed batch under FULL_DECODE_ONLY); only counted with graphs on.
         capture_bytes: memory the captured graphs hold (backend's own accounting).
     """
 
     captured: int = 0
     replayed_steps: int = 0
+    piecewise_steps: int = 0
     replayed_pieces: int = 0
     task_updates: int = 0
     eager_steps: int = 0

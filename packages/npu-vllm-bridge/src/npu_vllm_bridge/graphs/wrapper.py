@@ -82,6 +82,14 @@ class BridgeGraphWrapper:
             tasks=self.tasks,
             name=f"{type(runnable).__name__}[{runtime_mode.name}]",
         )
+        # One wrapper per model forward counts steps: the FULL one, else the first piece.
+        options = kwargs.get("cudagraph_options")
+        first_piece = options is None or getattr(options, "debug_log_enable", True)
+        full_graphs = vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs()
+        self.first_piece = runtime_mode == CUDAGraphMode.PIECEWISE and first_piece
+        self.counts_steps = runtime_mode == CUDAGraphMode.FULL or (
+            self.first_piece and not full_graphs
+        )
         BridgeGraphWrapper._all_instances.append(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -90,7 +98,7 @@ class BridgeGraphWrapper:
         context = get_forward_context()
         mode = context.cudagraph_runtime_mode
         if mode != self.runtime_mode:
-            if self.runtime_mode == CUDAGraphMode.FULL and mode == CUDAGraphMode.NONE:
+            if self.counts_steps and mode == CUDAGraphMode.NONE:
                 graph_counters().eager_steps += 1
             return self.runnable(*args, **kwargs)
         key = context.batch_descriptor
@@ -108,6 +116,7 @@ class BridgeGraphWrapper:
         counters = graph_counters()
         if self.tasks is None:
             counters.replayed_pieces += 1
+            counters.piecewise_steps += self.first_piece
             return
         counters.replayed_steps += 1
         if self.tasks.num_tasks(key) and self.tasks.update(key, step_plan(attn_metadata)):

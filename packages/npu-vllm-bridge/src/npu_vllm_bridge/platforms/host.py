@@ -5,10 +5,10 @@ Selected with ``NPU_BRIDGE_DEVICE=cpu``. It runs the same attention backend
 task update and replay as the NPU platform, with npu-graphs' ``host`` backend,
 so both can be developed and tested without an NPU.
 
-Graph modes: FULL_DECODE_ONLY. PIECEWISE (and so FULL_AND_PIECEWISE) needs vLLM's
-torch.compile path, whose CPU build emits inductor C++ kernels that a host graph
-(a recording of aten ops) cannot see; with graphs on, host mode therefore turns
-torch.compile off and vLLM resolves the mode to FULL_DECODE_ONLY.
+Graph modes: FULL_DECODE_ONLY, PIECEWISE and FULL_AND_PIECEWISE. A host graph is a
+recording of aten ops, so it cannot see the inductor C++ kernels of vLLM's CPU
+compile path: with piecewise graphs host mode keeps vLLM's compile path (Dynamo,
+split at attention) with the ``eager`` backend, and otherwise turns compilation off.
 """
 
 from __future__ import annotations
@@ -57,21 +57,36 @@ class HostPlatform(CpuPlatform):
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
-        from vllm.config import CompilationMode, CUDAGraphMode
+        from vllm.config import CUDAGraphMode
 
         checks.check_model_and_options(vllm_config)
         compilation = vllm_config.compilation_config
         capture_sizes = list(compilation.cudagraph_capture_sizes or [])
+        requested_mode = compilation.mode
         super().check_and_update_config(vllm_config)  # empties the capture sizes
         if compilation.cudagraph_mode != CUDAGraphMode.NONE:
             compilation.cudagraph_capture_sizes = capture_sizes
-            if compilation.mode != CompilationMode.NONE:
-                logger.info(
-                    "npu-vllm-bridge host mode: torch.compile off (host graphs record aten "
-                    "ops, not inductor kernels); graphs run as FULL_DECODE_ONLY"
-                )
-                compilation.mode = CompilationMode.NONE
+            _host_graph_compilation(compilation, requested_mode)
             checks.apply_capture_plan(vllm_config, cls.graph_backend)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = HOST_WORKER
+
+
+def _host_graph_compilation(compilation, requested_mode) -> None:
+    """Compile settings a host graph can record: vLLM's piecewise split with the
+    ``eager`` backend (the pieces stay aten ops), or no compilation at all."""
+    from vllm.config import CompilationMode
+
+    if compilation.cudagraph_mode.has_piecewise_cudagraphs() and (
+        requested_mode == CompilationMode.VLLM_COMPILE
+    ):
+        compilation.mode = CompilationMode.VLLM_COMPILE
+        compilation.backend = "eager"
+        return
+    if compilation.mode != CompilationMode.NONE:
+        logger.info(
+            "npu-vllm-bridge host mode: torch.compile off (host graphs record aten ops, "
+            "not inductor kernels)"
+        )
+        compilation.mode = CompilationMode.NONE

@@ -6,6 +6,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -26,7 +27,7 @@ class HostModelRunner(GraphRunnerMixin, CPUModelRunner):
     """
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        if not self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+        if self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE:
             return super().load_model(*args, **kwargs)
         with mock.patch(_GEMM_DISPATCH, _aten_linear):
             return super().load_model(*args, **kwargs)
