@@ -130,8 +130,17 @@ def tune(device: torch.device) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="sweep launch parameters first")
+    parser.add_argument(
+        "--once", action="store_true", help="run the 8 x 2048 problem once (for a profiler)"
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
+    if args.once:
+        problem = PrefillProblem(*PROBLEMS["prefill"], device)
+        problem.paged_runner(TritonProvider(), 128)()
+        problem.sdpa_runner()()
+        torch.cuda.synchronize()
+        return
     provider = TritonProvider()
     tuning = tune(device) if args.tune else None
     if tuning:
