@@ -200,7 +200,8 @@ SMALL_CASES = {
     "soft_cap": ({"logits_soft_cap": 1.5}, [6, 1], [10, 0], 0),
     "non_causal": ({"causal": False}, [7, 4], [0, 5], 0),
     "non_causal_window": ({"causal": False, "sliding_window": 3}, [9, 4], [0, 20], 0),
-    "one_page_tiles": ({"block_size": 64}, [1, 20, 1], [100, 50, 0], 1),
+    "one_page_tiles": ({"block_size": 128}, [1, 20, 1], [200, 150, 0], 1),
+    "one_page_tiles_decode": ({"block_size": 64}, [1, 1], [100, 3], 2),
     "head_80_mqa": ({"head_size": 80, "num_heads": 3, "num_kv_heads": 1}, [4, 1], [14, 20], 0),
 }
 
