@@ -111,3 +111,26 @@ def test_no_host_sync_on_gpu(name: str) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_matches_oracle(case, out)
+
+
+def test_qkv_views_of_one_projection_and_strided_output() -> None:
+    """vLLM passes query/key/value as column slices of the fused QKV output."""
+    case = make_case(_spec(), [1, 1, 9], [30, 2, 5], 2, pad_tokens=2, device=DEVICE)
+    paged = case.paged(np.random.default_rng(0))
+    spec, tokens = case.spec, case.query.shape[0]
+    key, value = case.new_kv()
+    q_width, kv_width = spec.num_heads * spec.head_size, spec.num_kv_heads * spec.head_size
+    qkv = torch.cat([t.reshape(tokens, -1) for t in (case.query, key, value)], 1)
+    query = qkv[:, :q_width].view(tokens, spec.num_heads, spec.head_size)
+    key = qkv[:, q_width : q_width + kv_width].view(tokens, spec.num_kv_heads, spec.head_size)
+    value = qkv[:, q_width + kv_width :].view(tokens, spec.num_kv_heads, spec.head_size)
+    out_buffer = torch.full(
+        (tokens, spec.num_heads, 2 * spec.head_size), -3.0, dtype=spec.dtype, device=DEVICE
+    )
+    out = out_buffer[:, :, : spec.head_size]
+    step = plan(case.cu_seqlens_q, case.seq_lens, paged.block_tables.to(DEVICE),
+                paged.slot_mapping.to(DEVICE), 2, spec, provider="triton")  # fmt: skip
+    run(query, key, value, paged.key_cache, paged.value_cache, step, out)
+    assert_matches_oracle(case, out)
+    assert_cache_written(case, paged)
+    assert (out_buffer[:, :, spec.head_size :] == -3.0).all()
