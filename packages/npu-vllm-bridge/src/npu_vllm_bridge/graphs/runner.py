@@ -51,6 +51,7 @@ class GraphRunnerMixin:
         groups = self.cudagraph_dispatcher.get_capture_descs()
         if self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE or not groups:
             return 0
+        self._check_one_plan_per_step()
         backend = get_backend(graph_backend_name())
         held = 0
         set_cudagraph_capturing_enabled(True)
@@ -71,6 +72,18 @@ class GraphRunnerMixin:
         counters.capture_bytes += held
         counters.eager_steps = 0  # the capture's warm-up forwards are not steps
         return held
+
+    def _check_one_plan_per_step(self) -> None:
+        """FULL graphs update one plan per step: refuse models with several KV-cache groups."""
+        if not self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            return
+        groups = self.kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
+        if len(groups) > 1:
+            raise ValueError(
+                f"npu-vllm-bridge FULL graphs need one KV-cache group, this model has "
+                f"{len(groups)} (e.g. sliding-window and full-attention layers); use "
+                "cudagraph_mode='PIECEWISE' or enforce_eager=True"
+            )
 
     def _capture_group(self, backend: GraphBackend, runtime_mode: CUDAGraphMode, descs: list):
         kind = "decode" if descs[0].uniform else "mixed prefill-decode"
@@ -97,6 +110,7 @@ class GraphRunnerMixin:
             return 0
         with set_current_vllm_config(self.vllm_config):
             self._init_minimal_kv_cache_for_profiling()  # type: ignore[attr-defined]
+        self._check_one_plan_per_step()
         backend = get_backend(graph_backend_name())
         total = 0
         set_cudagraph_capturing_enabled(True)

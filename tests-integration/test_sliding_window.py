@@ -1,0 +1,66 @@
+"""A Llama whose first layer attends through a 48-token sliding window, the second fully.
+
+vLLM puts the two kinds of layers in two KV-cache groups. Greedy tokens through the
+bridge (eager and with PIECEWISE graphs) must equal vLLM's own CPU_ATTN backend's
+(transformers' Llama does not apply ``layer_types`` windows, so it is no reference
+here); FULL graphs, which update one attention plan per step, are refused at
+start-up with a message saying what to use instead.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from checkpoints import write_checkpoint
+from engines import run_engine
+
+WINDOW = 48
+
+
+def _rounds() -> list[list[dict]]:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 60, 130, 200)]
+    return [[{"prompt": p, "max_tokens": 24} for p in prompts]]
+
+
+ROUNDS = _rounds()
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    path = tmp_path_factory.mktemp("windowed") / "llama-sliding"
+    write_checkpoint(
+        "llama", path, layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW
+    )
+    cpu_attn = run_engine(path, ROUNDS, bridge=False, tmp_path=tmp_path_factory.mktemp("cpu"))
+    return path, cpu_attn["tokens"]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"enforce_eager": True},
+        {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+    ],
+    ids=["eager", "piecewise"],
+)
+def test_sliding_window_matches_cpu_attn(windowed, tmp_path, engine):
+    model, cpu_attn = windowed
+    result = run_engine(model, ROUNDS, bridge=True, tmp_path=tmp_path, **engine)
+    assert result["tokens"] == cpu_attn
+    if not engine["enforce_eager"]:
+        assert result["counters"]["piecewise_steps"] > 0, result["counters"]
+
+
+def test_full_graphs_with_two_kv_groups_are_refused(windowed, tmp_path):
+    model, _ = windowed
+    result = run_engine(
+        model,
+        ROUNDS,
+        bridge=True,
+        tmp_path=tmp_path,
+        enforce_eager=False,
+        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"},
+    )
+    assert "FULL graphs need one KV-cache group" in result.get("error", ""), result
