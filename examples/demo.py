@@ -93,6 +93,10 @@ def main() -> None:
         block_size=128 if on_npu else 32,
         max_model_len=512,
         max_num_seqs=8,
+        # Prompts are prefilled in chunks of up to 64 tokens, which replay the
+        # piecewise graphs of these sizes; decode steps replay full graphs.
+        max_num_batched_tokens=64,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]},
         gpu_memory_utilization=0.8 if on_npu else 0.2,
         enforce_eager=args.enforce_eager,
         seed=0,
