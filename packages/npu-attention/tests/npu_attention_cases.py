@@ -214,7 +214,7 @@ def assert_close_to_oracle(case: Case, out: torch.Tensor) -> None:
     n = case.num_tokens
     expected = naive_attention(case)
     torch.testing.assert_close(
-        out[:n].cpu().double(), expected, **TOLERANCE[case.spec.dtype], check_dtype=False
+        out[:n].cpu().double(), expected.cpu(), **TOLERANCE[case.spec.dtype], check_dtype=False
     )
     assert (out[n:] == -3.0).all(), "padding rows of out must be left untouched"
 
@@ -228,9 +228,10 @@ def assert_cache_written(case: Case, paged: PagedCase) -> None:
     torch.testing.assert_close(paged.key_cache[blocks, offsets], key[: case.num_tokens])
     torch.testing.assert_close(paged.value_cache[blocks, offsets], value[: case.num_tokens])
     written = torch.zeros(paged.num_blocks, bs, dtype=torch.bool)
+    block_tables = paged.block_tables.cpu()
     for i, seq in enumerate(case.seq_lens):
         pos = torch.arange(seq)
-        written[paged.block_tables[i, pos // bs], pos % bs] = True
+        written[block_tables[i, pos // bs], pos % bs] = True
     untouched = paged.key_cache.cpu()[~written]
     assert untouched.isnan().all(), "K/V written outside the requests' slots"
     assert paged.value_cache.cpu()[~written].isnan().all()

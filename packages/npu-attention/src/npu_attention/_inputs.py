@@ -169,3 +169,16 @@ def check_slot_mapping(
 def _check_integer_dtype(dtype: torch.dtype, name: str) -> None:
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise TypeError(f"{name} must hold integers, got dtype {dtype}")
+
+
+def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as ``dtype`` on ``device`` without blocking the host.
+
+    A host tensor bound for an accelerator is staged in pinned memory and copied
+    asynchronously, so planning the next step overlaps the device's current work
+    (a copy from pageable memory would wait for the device to drain).
+    """
+    tensor = tensor.to(dtype)
+    if tensor.device.type == "cpu" and device.type != "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

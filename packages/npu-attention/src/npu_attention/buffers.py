@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from npu_attention._inputs import to_device
+
 if TYPE_CHECKING:
     from npu_attention.plan import HostArrays
     from npu_attention.spec import AttentionSpec
@@ -120,10 +122,12 @@ class PlanBuffers:
         """
         num_reqs, width = len(host.seq_lens), self._width(host, tables, spec)
         self._check_fits(device, num_reqs, slots.shape[0])
-        self.meta.copy_(torch.from_numpy(self._packed_meta(host)))
-        self.block_tables[:num_reqs, :width].copy_(tables[:, :width])
+        self.meta.copy_(to_device(torch.from_numpy(self._packed_meta(host)), device, torch.int32))
+        self.block_tables[:num_reqs, :width].copy_(
+            to_device(tables[:, :width], device, torch.int32)
+        )
         self.block_tables[:num_reqs, width:].zero_()
-        self.slot_mapping[: slots.shape[0]].copy_(slots)
+        self.slot_mapping[: slots.shape[0]].copy_(to_device(slots, device, torch.int64))
         self.slot_mapping[slots.shape[0] :].fill_(-1)
         return (
             self.cu_seqlens_q[: num_reqs + 1],

@@ -218,10 +218,10 @@ def _to_device(
     """One host-to-device copy for the per-request metadata, views into it."""
     num_reqs = len(host.seq_lens)
     packed = np.concatenate([host.cu_seqlens_q, host.seq_lens, host.context_lens])
-    meta = torch.from_numpy(packed.astype(np.int32)).to(device)
+    meta = _inputs.to_device(torch.from_numpy(packed), device, torch.int32)
     cu_t = meta[: num_reqs + 1]
     seq_t = meta[num_reqs + 1 : 2 * num_reqs + 1]
     ctx_t = meta[2 * num_reqs + 1 :]
-    tables_t = tables.to(device=device, dtype=torch.int32)
-    slots_t = slots.to(device=device, dtype=torch.int64)
+    tables_t = _inputs.to_device(tables, device, torch.int32)
+    slots_t = _inputs.to_device(slots, device, torch.int64)
     return cu_t, seq_t, ctx_t, tables_t, slots_t
