@@ -261,10 +261,10 @@ def test_independent_registries_update_independently(backend, device):
         ToyModel(HIDDEN, 1, device, torch.float32, draft, seed=1), backend=backend
     )
     x = torch.randn(8, HIDDEN).to(device)
-    first = make_step(backend, [8], MAX_REQS, device)
+    # each model owns its step state (on CUDA: its own fixed buffers)
     with graph_dispatch(RuntimeMode.FULL, 8):
-        main_model(x, first)
-        draft_model(x, first)
+        main_model(x, make_step(backend, [8], MAX_REQS, device))
+        draft_model(x, make_step(backend, [8], MAX_REQS, device))
     assert (main.num_tasks(8), draft.num_tasks(8)) == (2, 1)
     main.update(8, make_step(backend, [4, 4], MAX_REQS, device))
     with graph_dispatch(RuntimeMode.FULL, 8):
