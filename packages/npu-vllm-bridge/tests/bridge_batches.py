@@ -35,12 +35,26 @@ def packed_kv_cache(num_blocks: int, block_size: int, physical: str = "LBNHC") -
     return torch.full((num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE), float("nan"))
 
 
+def kv_views(kv_cache: torch.Tensor, split: str = "packed") -> tuple[torch.Tensor, torch.Tensor]:
+    """``[blocks, block_size, kv_heads, dim]`` K and V views of a packed cache as the
+    bridge lays pages out: ``packed`` (K|V in the last dim) or ``planes`` (the layer's
+    region holds all K, then all V)."""
+    if split == "packed":
+        by_token = kv_cache.transpose(1, 2)
+        return by_token[..., :HEAD_SIZE], by_token[..., HEAD_SIZE:]
+    blocks, heads, block_size, _ = kv_cache.shape
+    flat = kv_cache.as_strided((kv_cache.numel(),), (1,), kv_cache.storage_offset())
+    planes = flat.view(2, blocks, block_size, heads, HEAD_SIZE)
+    return planes[0], planes[1]
+
+
 def make_batch(
     requests: list[tuple[int, int]],
     kv_cache: torch.Tensor,
     block_size: int,
     generator: torch.Generator,
     pad_tokens: int = 0,
+    split: str = "packed",
 ) -> Batch:
     """Write each request's context K/V into ``kv_cache`` and describe the step as
     vLLM's ``CommonAttentionMetadata`` (``pad_tokens`` extra slot -1 rows at the end)."""
@@ -52,8 +66,7 @@ def make_batch(
     block_table = torch.zeros(len(requests), width, dtype=torch.int32)
     slots, cursor = [], 0
     context_keys, context_values = [], []
-    k_view = kv_cache.transpose(1, 2)[..., :HEAD_SIZE]
-    v_view = kv_cache.transpose(1, 2)[..., HEAD_SIZE:]
+    k_view, v_view = kv_views(kv_cache, split)
     for i, (context_len, query_len) in enumerate(requests):
         ids = perm[cursor : cursor + blocks_needed[i]]
         cursor += blocks_needed[i]

@@ -13,6 +13,7 @@ from bridge_batches import (
     HEAD_SIZE,
     NUM_HEADS,
     NUM_KV_HEADS,
+    kv_views,
     make_batch,
     naive_attention,
     packed_kv_cache,
@@ -90,13 +91,18 @@ STATES = {
 }
 
 
-@pytest.mark.parametrize("physical", ["LBNHC", "LBHNC"])
+@pytest.mark.parametrize(
+    ("physical", "split"), [("LBNHC", "packed"), ("LBHNC", "packed"), ("LBNHC", "planes")]
+)
 @pytest.mark.parametrize("kind", list(BATCHES))
-def test_builder_and_impl_match_naive_attention(model_layers, kind, physical):
+def test_builder_and_impl_match_naive_attention(model_layers, kind, physical, split, monkeypatch):
     config, names = model_layers
-    generator = torch.Generator().manual_seed(list(BATCHES).index(kind) * 2 + (physical == "LBHNC"))
+    for name in names:
+        layer = config.compilation_config.static_forward_context[name]
+        monkeypatch.setattr(layer.impl, "kv_cache_split", split)
+    generator = torch.Generator().manual_seed(list(BATCHES).index(kind) * 3 + len(physical + split))
     kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE, physical)
-    batch = make_batch(BATCHES[kind], kv_cache, BLOCK_SIZE, generator)
+    batch = make_batch(BATCHES[kind], kv_cache, BLOCK_SIZE, generator, split=split)
     metadata = _builder(config, names).build(0, batch.common)
     assert metadata.plan.state is STATES[kind]
     assert metadata.plan.num_decodes == sum(
@@ -104,8 +110,8 @@ def test_builder_and_impl_match_naive_attention(model_layers, kind, physical):
     )
     out = _run_layer(config, names[0], batch, kv_cache, metadata)
     torch.testing.assert_close(out.double(), naive_attention(batch, SCALE), atol=ATOL, rtol=0)
-    # The step's K/V landed in the packed cache at the slots vLLM gave.
-    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
+    # The step's K/V landed in the cache at the slots vLLM gave.
+    key_cache, value_cache = kv_views(kv_cache, split)
     slots = batch.common.slot_mapping
     written_k = key_cache.reshape(-1, NUM_KV_HEADS, HEAD_SIZE)[slots]
     written_v = value_cache.reshape(-1, NUM_KV_HEADS, HEAD_SIZE)[slots]
@@ -196,6 +202,26 @@ def test_split_kv_cache_views_share_storage():
     assert torch.equal(kv_cache[1, 0, 2, :HEAD_SIZE], torch.full((HEAD_SIZE,), 7.0))
     value_cache[2, 5, 1].fill_(3.0)
     assert torch.equal(kv_cache[2, 1, 5, HEAD_SIZE:], torch.full((HEAD_SIZE,), 3.0))
+
+
+def test_planes_split_is_contiguous_and_covers_the_region():
+    kv_cache = packed_kv_cache(3, BLOCK_SIZE)
+    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE, "planes")
+    assert key_cache.shape == value_cache.shape == (3, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    kv_cache.zero_()
+    key_cache.fill_(1.0)
+    value_cache.fill_(2.0)
+    # K and V tile the layer's region exactly: half ones, half twos, nothing left.
+    assert int((kv_cache == 1.0).sum()) == int((kv_cache == 2.0).sum()) == kv_cache.numel() // 2
+
+
+def test_planes_split_refuses_a_cache_that_is_not_one_region():
+    strided = torch.zeros(4, NUM_KV_HEADS, BLOCK_SIZE, 4 * HEAD_SIZE)[..., : 2 * HEAD_SIZE]
+    with pytest.raises(ValueError, match="one dense region"):
+        split_kv_cache(strided, HEAD_SIZE, "planes")
+    with pytest.raises(ValueError, match=r"split must be one of \('packed', 'planes'\)"):
+        split_kv_cache(packed_kv_cache(2, BLOCK_SIZE), HEAD_SIZE, "interleaved")
 
 
 def test_split_kv_cache_rejects_wrong_shape():

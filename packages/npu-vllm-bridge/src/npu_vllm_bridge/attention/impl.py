@@ -43,6 +43,7 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
         self.logits_soft_cap = logits_soft_cap or None
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.kv_cache_split = kv_cache_split_of_platform()
 
     def forward(
         self,
@@ -70,11 +71,19 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
             raise NotImplementedError("npu-vllm-bridge does not fuse output quantization")
         if attn_metadata is None:
             return output
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size, self.kv_cache_split)
         if self.kv_sharing_target_layer_name is not None:
             key = value = None
         run_attention(query, key, value, key_cache, value_cache, attn_metadata.plan, output)
         return output
+
+
+def kv_cache_split_of_platform() -> str:
+    """How the current platform's kernels want each page: ``packed`` or ``planes``."""
+    from vllm.platforms import current_platform
+
+    # vLLM platforms answer None for attributes they lack.
+    return getattr(current_platform, "kv_cache_split", None) or "packed"
 
 
 def refuse_unsupported_layer(

@@ -35,6 +35,7 @@ class HostPlatform(CpuPlatform):
     """vLLM's ``CpuPlatform`` whose attention backend and graphs are the bridge's."""
 
     attention_provider: str = "reference"
+    kv_cache_split: str = "packed"
     graph_decode_provider: str = "reference_fixed_decode"
     graph_backend: str = "host"
 

@@ -56,6 +56,16 @@ class NPUModelRunner(GraphRunnerMixin, GPUModelRunner):
     def profile_cudagraph_memory(self) -> int:
         return self.profile_graph_memory()
 
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        if kv_cache_config.needs_kv_cache_zeroing:
+            # vLLM would zero blocks by id in its packed page layout; the NPU pages
+            # hold K and V planes instead.
+            raise ValueError(
+                "npu-vllm-bridge does not support models whose KV cache vLLM zeroes by "
+                "block (Mamba layers or mixed-precision KV caches) on the NPU"
+            )
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+
 
 class NPUWorker(Worker):
     """vLLM's GPU ``Worker`` set up on ``npu:<local_rank>`` with HCCL."""
