@@ -7,7 +7,7 @@ leaves vLLM on its own CPU platform (CPU_ATTN).
     python engine_runner.py SPEC.json
 
 SPEC: {"model": path, "engine": {LLM kwargs}, "rounds": [[{"prompt": [ids],
-"max_tokens": n}, ...], ...]}. Each round is one ``generate`` call; later rounds
+"max_tokens": n}, ...], ...], "host_platform": {HostPlatform attribute: value}}. Each round is one ``generate`` call; later rounds
 reuse the prefix cache of earlier ones. Output line: ``RESULT {"tokens": [[...]
 per round], "counters": {...}, "states": {...}, "backend": name}`` or
 ``RESULT {"error": "Type: message"}`` when the engine refuses to start.
@@ -44,6 +44,11 @@ def main() -> None:
         _record_plan_states(states)
     from vllm import LLM, SamplingParams
 
+    if bridge:
+        from npu_vllm_bridge.platforms.host import HostPlatform
+
+        for name, value in spec.get("host_platform", {}).items():
+            setattr(HostPlatform, name, value)
     try:
         llm = LLM(model=spec["model"], skip_tokenizer_init=True, **spec["engine"])
     except Exception as exc:  # the refusal under test

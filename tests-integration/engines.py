@@ -27,11 +27,23 @@ ENGINE = dict(
 
 
 def run_engine(
-    model: Path, rounds: list[list[dict]], *, bridge: bool, tmp_path: Path, **engine
+    model: Path,
+    rounds: list[list[dict]],
+    *,
+    bridge: bool,
+    tmp_path: Path,
+    host_platform: dict | None = None,
+    **engine,
 ) -> dict:
     """Run ``rounds`` of generation in a fresh process; the bridge's host platform if
-    ``bridge``, else vLLM's own CPU platform (CPU_ATTN). Returns the runner's JSON."""
-    spec = {"model": str(model), "engine": {**ENGINE, **engine}, "rounds": rounds}
+    ``bridge``, else vLLM's own CPU platform (CPU_ATTN); ``host_platform`` overrides
+    attributes of the bridge's host platform. Returns the runner's JSON."""
+    spec = {
+        "model": str(model),
+        "engine": {**ENGINE, **engine},
+        "rounds": rounds,
+        "host_platform": host_platform or {},
+    }
     spec_path = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")

@@ -124,3 +124,19 @@ def test_full_and_piecewise_graphs_match(references, tmp_path):
     assert counters["replayed_steps"] > 0 and counters["piecewise_steps"] > 0, counters
     assert counters["replayed_pieces"] >= 3 * counters["piecewise_steps"], counters  # 2 layers
     assert counters["task_updates"] == counters["replayed_steps"], counters
+
+
+def test_planes_kv_layout_of_the_npu_platform_matches(references, tmp_path):
+    """The NPU platform's page layout (all K, then all V, per layer) inside real vLLM."""
+    model, hf, cpu_attn = references
+    result = run_engine(
+        model,
+        ROUNDS,
+        bridge=True,
+        tmp_path=tmp_path,
+        host_platform={"kv_cache_split": "planes"},
+        enforce_eager=False,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]},
+    )
+    _check_same_tokens(result["tokens"], hf, cpu_attn)
+    assert result["counters"]["replayed_steps"] > 0, result["counters"]
