@@ -9,7 +9,7 @@ leaves vLLM on its own CPU platform (CPU_ATTN).
 SPEC: {"model": path, "engine": {LLM kwargs}, "rounds": [[{"prompt": [ids],
 "max_tokens": n}, ...], ...], "host_platform": {HostPlatform attribute: value}}. Each round is one ``generate`` call; later rounds
 reuse the prefix cache of earlier ones. Output line: ``RESULT {"tokens": [[...]
-per round], "counters": {...}, "states": {...}, "backend": name}`` or
+per round], "cached_tokens": [[prefix-cache hits per prompt] per round], "counters": {...}, "states": {...}, "backend": name}`` or
 ``RESULT {"error": "Type: message"}`` when the engine refuses to start.
 """
 
@@ -54,7 +54,7 @@ def main() -> None:
     except Exception as exc:  # the refusal under test
         print("RESULT " + json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return
-    tokens = []
+    tokens, cached = [], []
     for round_ in spec["rounds"]:
         prompts = [{"prompt_token_ids": item["prompt"]} for item in round_]
         params = [
@@ -63,7 +63,8 @@ def main() -> None:
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens.append([list(o.outputs[0].token_ids) for o in outputs])
-    result = {"tokens": tokens, "states": dict(states)}
+        cached.append([o.num_cached_tokens or 0 for o in outputs])
+    result = {"tokens": tokens, "cached_tokens": cached, "states": dict(states)}
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     result["num_layers"] = layers
     if bridge:
