@@ -8,6 +8,7 @@ default torch, the integration tests on real vLLM (CPU build), and lint.
 from __future__ import annotations
 
 import enum
+import os
 import shutil
 from pathlib import Path
 
@@ -205,5 +206,12 @@ def build(session: nox.Session) -> None:
 @nox.session(python=False)
 def gpu(session: nox.Session) -> None:
     """Tests marked ``cuda`` on the current machine's interpreter (the GPU machine)."""
-    paths = [str(p.path / "tests") for p in Package if p is not Package.BRIDGE]
-    session.run("python", "-m", "pytest", *paths, "-m", "cuda", "-ra", *session.posargs)
+    packages = [p for p in Package if p is not Package.BRIDGE]
+    # The GPU machine's interpreter already has torch and triton; the packages run
+    # from their source trees, so nothing is installed there.
+    src = os.pathsep.join(str(p.path / "src") for p in packages)
+    session.run(
+        "python", "-m", "pytest", *[str(p.path / "tests") for p in packages],
+        "-m", "cuda", "-ra", *session.posargs,
+        env={"PYTHONPATH": src},
+    )  # fmt: skip
