@@ -12,12 +12,21 @@ replayed a captured graph.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "npu-vllm-bridge" / "tiny-llama-2l-128h"
 PROMPT_LENGTHS = (7, 19, 42, 64, 100, 150)
+
+
+class _SkipTokenizerWarmupNoise(logging.Filter):
+    """Drop vLLM's chat-template warmup traceback: the demo runs without a tokenizer
+    (token-id prompts), so that warmup cannot apply and its failure means nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Chat template warmup failed" not in record.getMessage()
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,6 +93,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from npu_vllm_bridge.graphs.counters import graph_counters
+
+    logging.getLogger("vllm.renderers.base").addFilter(_SkipTokenizerWarmupNoise())
 
     on_npu = device == "npu"
     llm = LLM(
