@@ -344,6 +344,13 @@ def test_attend_rejects_missing_key_value_without_cache() -> None:
         batch.plan.provider.attend(batch.query, None, None, batch.plan, batch.query.clone())
 
 
+def test_attend_rejects_non_positive_scale() -> None:
+    batch = Batch(small_spec(scale=-0.5), [2], [3])
+    out = torch.empty_like(batch.query)
+    with pytest.raises(ValueError, match=r"scale must be positive, got -0\.5"):
+        batch.plan.provider.attend(batch.query, batch.key_cache, batch.value_cache, batch.plan, out)
+
+
 def test_write_kv_rejects_mismatched_tokens() -> None:
     batch = Batch(small_spec(), [3], [0])
     with pytest.raises(ValueError, match="same number of tokens"):

@@ -88,6 +88,7 @@ def _attend_keys(
     stride_vb,
     stride_vt,
     stride_vd,
+    qk_scale,
     soft_cap,
     window,
     HEAD_SIZE: tl.constexpr,
@@ -105,10 +106,14 @@ def _attend_keys(
     """Online-softmax update over keys ``[key_positions_start, key_positions_end)``.
 
     With ``MASKED`` false every key of the range is known to be visible to every
-    row; otherwise keys ``>= valid_end`` and the causal / window masks apply.
+    row (loads then carry no key mask, and no head mask when ``HEAD_SIZE`` is a
+    power of two); otherwise keys ``>= valid_end`` and the causal / window masks
+    apply. ``m_i`` is kept in log2 units: ``scores * qk_scale`` (``qk_scale``
+    includes log2(e)).
     """
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
+    LOAD_MASKS: tl.constexpr = MASKED or HEAD_SIZE != HEAD_PAD
     for start_n in range(key_positions_start, key_positions_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:  # noqa: SIM108 (a constexpr branch, not a value choice)
@@ -121,7 +126,10 @@ def _attend_keys(
             k_rows = block * stride_kb + in_page * stride_kt
             v_rows = block * stride_vb + in_page * stride_vt
         elif PAGED:
-            blocks = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+            if MASKED:
+                blocks = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+            else:
+                blocks = tl.load(block_table_row + offs_n // BLOCK_SIZE)
             blocks = blocks.to(tl.int64)
             k_rows = blocks * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
             v_rows = blocks * stride_vb + (offs_n % BLOCK_SIZE) * stride_vt
@@ -129,14 +137,17 @@ def _attend_keys(
             tokens = (kv_token_base + offs_n).to(tl.int64)
             k_rows = tokens * stride_kt
             v_rows = tokens * stride_vt
-        k = tl.load(
-            k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd,
-            mask=n_mask[None, :] & d_mask[:, None],
-            other=0.0,
-        )
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION)  # q carries the scale
-        if USE_SOFT_CAP:
-            scores = _softcap(scores, soft_cap) * 1.4426950408889634
+        k_ptrs = k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd
+        if LOAD_MASKS:
+            k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if USE_SOFT_CAP:  # from here on, scores are in log2 units
+            scores = _softcap(scores * qk_scale, soft_cap) * 1.4426950408889634
+            score_scale = 1.0
+        else:
+            score_scale = qk_scale
         if MASKED:
             visible = n_mask[None, :]
             if CAUSAL:
@@ -146,16 +157,19 @@ def _attend_keys(
                 if not CAUSAL:  # a band on both sides
                     visible = visible & (offs_n[None, :] < query_pos[:, None] + window)
             scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * score_scale)
+        if MASKED:  # noqa: SIM108 (constexpr branch; a row may not have seen a key yet)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
+        p = tl.exp2(scores * score_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd,
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
+        v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
+        if LOAD_MASKS:
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -243,7 +257,6 @@ def _paged_attention_kernel(
         mask=row_mask[:, None] & (offs_d < HEAD_SIZE)[None, :],
         other=0.0,
     )
-    q = (q * qk_scale).to(q.dtype)
 
     # Keys this tile can see: [kv_lo, kv_hi); all of [kv_lo, full_hi) is visible to every row.
     last_row_pos = context_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
@@ -276,14 +289,14 @@ def _paged_attention_kernel(
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        soft_cap, window,
+        qk_scale, soft_cap, window,
         HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, False,
         CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        soft_cap, window,
+        qk_scale, soft_cap, window,
         HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, True,
         CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
@@ -370,6 +383,8 @@ def paged_attention(
 
     Rows of ``out`` past ``cu_seqlens_q[-1]`` are left untouched.
     """
+    if not scale > 0.0:  # the kernel takes row maxima of unscaled scores
+        raise ValueError(f"scale must be positive, got {scale}")
     num_tokens, num_heads, head_size = query.shape
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
@@ -407,7 +422,7 @@ def paged_attention(
     else:
         partial_out = partial_lse = out
     use_soft_cap = logits_soft_cap is not None
-    qk_scale = scale if use_soft_cap else scale * _LOG2E
+    qk_scale = scale if use_soft_cap else scale * _LOG2E  # soft cap: log2(e) after the cap
     _paged_attention_kernel[grid](
         query,
         key_cache,
