@@ -104,9 +104,18 @@ def tune(device: torch.device) -> dict[str, Any]:
     provider = TritonProvider()
     problem = PrefillProblem(*PROBLEMS["prefill"], device)
     trials = []
-    for pack, block_m, block_n, warps, stages in itertools.product(
-        (1, 0), (128,), (64, 128), (4, 8), (2, 3)
-    ):
+    # (block_m, block_n, num_warps, num_stages): one warpgroup per 64 query rows;
+    # a 64-row tile of 4 warps leaves room for two programs per multiprocessor.
+    shapes = (
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+        (128, 64, 8, 2),
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (64, 128, 4, 2),
+        (64, 128, 4, 3),
+    )
+    for pack, (block_m, block_n, warps, stages) in itertools.product((1, 0), shapes):
         launch = {
             "pack_gqa": pack,
             "block_m": block_m,
