@@ -331,8 +331,9 @@ def _merge_splits_kernel(
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
-    if token >= tl.load(cu_seqlens_q_ptr + num_reqs):  # padding token
-        return
+    # Padding tokens' partial rows exist (unwritten): read them along with the token
+    # count rather than after it, and only skip the store.
+    num_real_tokens = tl.load(cu_seqlens_q_ptr + num_reqs)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
     s_mask = offs_s < num_splits
@@ -348,7 +349,11 @@ def _merge_splits_kernel(
     )
     out = tl.sum(partial * weights[:, None], 0) / tl.where(denominator > 0.0, denominator, 1.0)
     dst = out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+    tl.store(
+        dst,
+        out.to(out_ptr.dtype.element_ty),
+        mask=(offs_d < HEAD_SIZE) & (token + 0 * offs_d < num_real_tokens),
+    )
 
 
 def paged_attention(
