@@ -104,12 +104,8 @@ class _Inputs:
         self.value.copy_(batch.value)
 
 
-def test_task_update_makes_each_replay_match_naive_attention():
-    generator = torch.Generator().manual_seed(11)
-    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
-    inputs = _Inputs()
-    current = {}
+def _attention_step(inputs, key_cache, value_cache, current):
+    """The graphed callable: one layer's attention on the step in ``current["plan"]``."""
 
     def step(_):
         out = torch.empty(BATCH, NUM_HEADS, HEAD_SIZE)
@@ -124,6 +120,17 @@ def test_task_update_makes_each_replay_match_naive_attention():
         )
         return out * 1.0
 
+    return step
+
+
+def test_task_update_makes_each_replay_match_naive_attention():
+    generator = torch.Generator().manual_seed(11)
+    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
+    inputs = _Inputs()
+    current = {}
+
+    step = _attention_step(inputs, key_cache, value_cache, current)
     registry = TaskRegistry("attention", expected_tasks=1)
     graph = GraphWrapper(step, backend="host", tasks=registry)
     for index, contexts in enumerate(STEPS):
@@ -148,19 +155,7 @@ def test_replay_without_update_keeps_capture_arguments():
     inputs = _Inputs()
     current = {}
 
-    def step(_):
-        out = torch.empty(BATCH, NUM_HEADS, HEAD_SIZE)
-        run_attention(
-            inputs.query * 1.0,
-            inputs.key,
-            inputs.value,
-            key_cache,
-            value_cache,
-            current["plan"],
-            out,
-        )
-        return out * 1.0
-
+    step = _attention_step(inputs, key_cache, value_cache, current)
     graph = GraphWrapper(step, backend="host", tasks=TaskRegistry("attention"))
     for contexts in STEPS[:2]:
         batch = _pad_width(_step_batch(contexts, kv_cache, generator), width=8)
