@@ -19,42 +19,23 @@ from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
 from npu_vllm_bridge.platforms import checks
+from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.attention.selector import AttentionSelectorConfig
 
 logger = init_logger(f"vllm.{__name__}")
 
 HOST_WORKER = "npu_vllm_bridge.worker.host.HostWorker"
-GRAPH_WRAPPER = "npu_vllm_bridge.graphs.wrapper.BridgeGraphWrapper"
 
 
-class HostPlatform(CpuPlatform):
+class HostPlatform(BridgePlatformMixin, CpuPlatform):
     """vLLM's ``CpuPlatform`` whose attention backend and graphs are the bridge's."""
 
     attention_provider: str = "reference"
     kv_cache_split: str = "packed"
     graph_decode_provider: str = "reference_fixed_decode"
     graph_backend: str = "host"
-
-    @classmethod
-    def get_attn_backend_cls(
-        cls,
-        selected_backend: AttentionBackendEnum,
-        attn_selector_config: AttentionSelectorConfig,
-        num_heads: int | None = None,
-    ) -> str:
-        return checks.backend_for_selector(attn_selector_config)
-
-    @classmethod
-    def support_static_graph_mode(cls) -> bool:
-        return True
-
-    @classmethod
-    def get_static_graph_wrapper_cls(cls) -> str:
-        return GRAPH_WRAPPER
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from npu_vllm_bridge.platforms import checks
+from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 from npu_vllm_bridge.plugin import require_npu
 
 require_npu()
@@ -23,18 +24,15 @@ import torch_npu  # noqa: E402, F401  (registers torch.npu and the PrivateUse1 b
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.attention.selector import AttentionSelectorConfig
 
 logger = init_logger(f"vllm.{__name__}")
 
 NPU_WORKER = "npu_vllm_bridge.worker.npu.NPUWorker"
-GRAPH_WRAPPER = "npu_vllm_bridge.graphs.wrapper.BridgeGraphWrapper"
 # Paged KV block size the fused attention ops take on every Ascend generation.
 NPU_BLOCK_SIZE = 128
 
 
-class NPUPlatform(Platform):
+class NPUPlatform(BridgePlatformMixin, Platform):
     """vLLM platform for Ascend NPUs through npu-attention (``ascend``) and npu-graphs (``npu``)."""
 
     _enum = PlatformEnum.OOT
@@ -103,25 +101,8 @@ class NPUPlatform(Platform):
 
     # -- attention and graphs ---------------------------------------------------------
     @classmethod
-    def get_attn_backend_cls(
-        cls,
-        selected_backend: AttentionBackendEnum,
-        attn_selector_config: AttentionSelectorConfig,
-        num_heads: int | None = None,
-    ) -> str:
-        return checks.backend_for_selector(attn_selector_config)
-
-    @classmethod
     def opaque_attention_op(cls) -> bool:
         return True  # attention is the split point of vLLM's piecewise compile
-
-    @classmethod
-    def support_static_graph_mode(cls) -> bool:
-        return True
-
-    @classmethod
-    def get_static_graph_wrapper_cls(cls) -> str:
-        return GRAPH_WRAPPER
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
