@@ -153,12 +153,8 @@ class TaskRegistry:
         grouped = bool(host) and backend.supports_task_update
         session.in_task = True
         try:
-            token = backend.task_group_begin(session.graph, session.stream) if grouped else None
-            result = fn(*args, **kwargs, **host, **buffers)
-            handle = (
-                backend.task_group_end(session.graph, session.stream, token, host)
-                if grouped
-                else None
+            result, handle = _issue_recorded(
+                session, fn, args, {**kwargs, **buffers}, host, grouped
             )
         finally:
             session.in_task = False
@@ -352,6 +348,26 @@ def call_task(
             "TaskRegistry: its step arguments would be baked into the graph"
         )
     return session.default_registry.call(fn, *args, step=step, derive=derive, **kwargs)
+
+
+def _issue_recorded(
+    session: CaptureSession,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    host: dict,
+    grouped: bool,
+) -> tuple[Any, Any]:
+    """Run ``fn`` inside the capture: as one recorded task, in a task group, or plainly
+    (no host step values, or a backend without task update). Returns (result, handle)."""
+    backend, graph, stream = session.backend, session.graph, session.stream
+    if not grouped:
+        return fn(*args, **kwargs, **host), None
+    if backend.records_tasks_whole:
+        return backend.record_task(graph, stream, fn, args, kwargs, host)
+    token = backend.task_group_begin(graph, stream)
+    result = fn(*args, **kwargs, **host)
+    return result, backend.task_group_end(graph, stream, token, host)
 
 
 def _derive(derive: Derive | None, step: Any) -> Mapping[str, Any]:

@@ -169,6 +169,7 @@ class GraphWrapper:
                 f"capture of {self.name} for key {key!r} in mode {self.mode.name} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        self.backend.finish_capture(graph, outputs)
         if self.backend.weak_ref_outputs:
             outputs = tree_map(_weak(self.backend), outputs)
         entry = GraphEntry(key, graph, outputs, _addresses(args, kwargs), tuple(session.registries))

@@ -34,6 +34,9 @@ class GraphBackend(abc.ABC):
     capture_executes: ClassVar[bool] = False
     # Eager runs a callable needs before its first capture (lazy library init on devices).
     warmup_runs: ClassVar[int] = 0
+    # Whether an updatable task is recorded as one op (``record_task``) rather than as
+    # the ops it issues between ``task_group_begin`` and ``task_group_end``.
+    records_tasks_whole: ClassVar[bool] = False
 
     # -- graphs ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -47,6 +50,11 @@ class GraphBackend(abc.ABC):
     @abc.abstractmethod
     def capture(self, graph: Any, *, pool: Any, stream: Any) -> contextlib.AbstractContextManager:
         """Context manager: work issued inside it is captured into ``graph``."""
+
+    def finish_capture(self, graph: Any, outputs: Any) -> None:
+        """Called once a capture succeeded, with what it returned: a backend whose graphs
+        own their intermediates may release all but ``outputs`` (device pools do not)."""
+        return None
 
     @abc.abstractmethod
     def replay(self, graph: Any) -> None:
@@ -111,6 +119,21 @@ class GraphBackend(abc.ABC):
         """
         raise NotImplementedError(f"the {self.name} backend has no task groups")
 
+    def record_task(
+        self,
+        graph: Any,
+        stream: Any,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        host_values: Mapping[str, Any],
+    ) -> tuple[Any, Any]:
+        """Run and record ``fn`` as one task (``records_tasks_whole`` backends only).
+
+        Returns ``(result, handle)``; ``update_tasks`` takes the handle like a task group's.
+        """
+        raise NotImplementedError(f"the {self.name} backend records tasks as task groups")
+
     def update_tasks(self, graph: Any, updates: Sequence[TaskUpdate]) -> None:
         """Re-issue (or release) task groups of ``graph`` before its next replay.
 
@@ -123,6 +146,11 @@ class GraphBackend(abc.ABC):
     @abc.abstractmethod
     def memory_in_use(self) -> int:
         """Bytes of device memory in use (graph pools included), for capture reports."""
+
+    def memory_breakdown(self) -> tuple[int, int]:
+        """``(own, pool)``: bytes the graphs keep for themselves, and bytes of the pool
+        their replays share. Backends that cannot tell them apart report all as own."""
+        return self.memory_in_use(), 0
 
     def is_device_tensor(self, value: object) -> bool:
         """True for tensors on this backend's device (step state kept in fixed buffers)."""

@@ -21,7 +21,6 @@ Replaying them as one opaque op would re-read fresh state and hide staleness.
 from __future__ import annotations
 
 import contextlib
-import enum
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from npu_graphs.backends.base import GraphBackend, TaskUpdate
+from npu_graphs.backends.host_program import HostProgram, Kind, Layout, Op, substitute
 from npu_graphs.errors import GraphCaptureError, GraphReplayError, TaskUpdateError
 
 _NATIVE_NAMESPACES = frozenset({"aten", "prim", "prims"})
@@ -60,43 +60,26 @@ _SHAPE_QUERIES = frozenset(
 )
 
 
-class _Kind(enum.Enum):
-    VIEW = "view"  # output aliases an input with fixed geometry: nothing to redo
-    ALLOC = "alloc"  # uninitialized allocation: nothing to redo
-    MUTATE = "mutate"  # writes into its arguments: redo
-    COMPUTE = "compute"  # fresh outputs: redo, copy into the captured outputs
-    REFRESH = "refresh"  # a view whose arguments an update changed: redo, copy
+_KINDS: dict[Any, Kind] = {}
 
 
-_KINDS: dict[Any, _Kind] = {}
-
-
-def _kind_of(func: torch._ops.OpOverload) -> _Kind:
+def _kind_of(func: torch._ops.OpOverload) -> Kind:
     kind = _KINDS.get(func)
     if kind is None:
         if func in _ALLOC_OPS:
-            kind = _Kind.ALLOC
+            kind = Kind.ALLOC
         elif (
             func.is_view
             or torch.Tag.inplace_view in func.tags
             or func._schema.name.split("::")[-1] in _METADATA_OPS
         ):
-            kind = _Kind.VIEW
+            kind = Kind.VIEW
         elif func._schema.is_mutable:
-            kind = _Kind.MUTATE
+            kind = Kind.MUTATE
         else:
-            kind = _Kind.COMPUTE
+            kind = Kind.COMPUTE
         _KINDS[func] = kind
     return kind
-
-
-@dataclass
-class _Op:
-    func: Any
-    args: tuple
-    kwargs: dict
-    outputs: Any
-    kind: _Kind
 
 
 def _check_no_host_values(func: Any, outputs: Any) -> None:
@@ -145,57 +128,104 @@ class HostGraph:
     """A recorded stream of aten ops on CPU tensors; see the module docstring."""
 
     def __init__(self) -> None:
-        self.ops: list[_Op] = []
+        self.ops: list[Op] = []
         self.groups: list[tuple[int, int]] = []
         self.captured = False
+        self.program: HostProgram | None = None
+        self._opaque = threading.local()  # depth > 0 while a task recorded whole runs
         self._lock = threading.Lock()
 
-    def append(self, op: _Op) -> None:
+    def append(self, op: Op) -> None:
         with self._lock:
             self.ops.append(op)
 
     def reset(self) -> None:
         """Drop everything recorded; the graph can be captured again."""
-        self.ops, self.groups, self.captured = [], [], False
+        self.ops, self.groups, self.captured, self.program = [], [], False, None
 
     @property
     def num_ops(self) -> int:
         return len(self.ops)
 
+    def compile(self, outputs: Any = None) -> None:
+        """Compile the recording for replay; ``outputs`` known: only they persist.
+
+        Until the outputs are known every tensor the graph allocated is kept (a raw
+        capture hands out any of them); once they are, storage that no output aliases
+        is released and replays take it from the allocator for its live range only.
+        """
+        self.program = HostProgram(self.ops, Layout.of(self.ops, outputs), keep=self.groups)
+
     def nbytes(self) -> int:
-        """Bytes of the tensors this graph allocated at capture (its private memory)."""
+        """Bytes this graph keeps between replays (outputs; tensors kept for task updates)."""
+        if self.program is None:
+            return 0
         storages = {}
         for op in self.ops:
-            if op.kind in (_Kind.COMPUTE, _Kind.ALLOC):
-                for leaf in tree_leaves(op.outputs):
-                    if isinstance(leaf, torch.Tensor):
-                        storage = leaf.untyped_storage()
+            for leaf in tree_leaves(op.outputs):
+                if isinstance(leaf, torch.Tensor):
+                    storage = leaf.untyped_storage()
+                    if storage.data_ptr() in self.program.layout.persistent:
                         storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values())
+        return sum(storages.values()) + self.program.kept_bytes()
+
+    @property
+    def peak_transient_bytes(self) -> int:
+        """Bytes of intermediates live at once at the peak of a replay (from the pool)."""
+        return self.program.peak_transient_bytes if self.program is not None else 0
 
     def replay(self) -> None:
-        if not self.captured:
+        if not self.captured or self.program is None:
             raise GraphReplayError("this host graph has not been captured (or its capture failed)")
-        for op in self.ops:
-            if op.kind is _Kind.VIEW or op.kind is _Kind.ALLOC:
-                continue
-            result = op.func(*op.args, **op.kwargs)
-            if op.kind is _Kind.MUTATE:
-                continue
-            if result is op.outputs:
-                continue
-            for captured, fresh in zip(tree_leaves(op.outputs), tree_leaves(result)):
-                if captured is not fresh and captured is not None:
-                    captured.copy_(fresh)
+        self.program.run()
 
-    def stage_update(self, index: int, issue: Callable[[], object]) -> _GroupUpdate:
+    def stage_update(self, index: int, issue: Callable[[], object] | None) -> _GroupUpdate:
         """Re-issue task group ``index`` through ``issue``; ``commit()`` the result to apply it."""
         start, end = self.groups[index]
+        if self.ops[start].kind is Kind.TASK:
+            return _TaskUpdate(self, index, start, issue)
         update = _GroupUpdate(self, index, start, end)
         with _Recorder(self, update):
             issue()
         update.check_complete()
         return update
+
+    @property
+    def opaque_depth(self) -> int:
+        """Tasks recorded whole that this thread is running inside (their ops pass unrecorded)."""
+        return getattr(self._opaque, "depth", 0)
+
+    def record_task(self, fn: Callable[..., Any], args: tuple, kwargs: dict, host: dict) -> Any:
+        """Run ``fn`` and record it as one op whose host arguments ``host`` are baked."""
+        self._opaque.depth = self.opaque_depth + 1
+        try:
+            result = fn(*args, **kwargs, **host)
+        finally:
+            self._opaque.depth -= 1
+        start = self.num_ops
+        self.append(Op(fn, args, dict(kwargs), result, Kind.TASK, dict(host)))
+        self.groups.append((start, start + 1))
+        return result
+
+
+class _TaskUpdate:
+    """Stages new host arguments for a task recorded whole (an update executes nothing)."""
+
+    def __init__(self, graph: HostGraph, index: int, position: int, issue: Any) -> None:
+        self.graph, self.position = graph, position
+        self.host = getattr(issue, "host_values", None)
+        captured = graph.ops[position].host
+        if self.host is None or set(self.host) != set(captured):
+            got = "no host_values" if self.host is None else sorted(self.host)
+            raise TaskUpdateError(
+                f"task group {index}: the update must give the host arguments "
+                f"{sorted(captured)} (as TaskIssue.host_values), got {got}"
+            )
+
+    def commit(self) -> None:
+        self.graph.ops[self.position].host = dict(self.host)
+        if self.graph.program is not None:
+            self.graph.program.recompile(self.graph.ops, self.position, self.position + 1)
 
 
 class _GroupUpdate:
@@ -203,7 +233,9 @@ class _GroupUpdate:
 
     def __init__(self, graph: HostGraph, index: int, start: int, end: int) -> None:
         self.graph, self.index, self.start, self.end = graph, index, start, end
-        self.staged: list[_Op] = []
+        self.staged: list[Op] = []
+        self.aliases: dict[int, Any] = {}  # id(fresh view handed out) -> captured view
+        self._fresh_views: list[Any] = []  # keeps the ids in ``aliases`` unique
 
     def issue(self, func: Any, args: tuple, kwargs: dict) -> Any:
         position = len(self.staged)
@@ -218,17 +250,23 @@ class _GroupUpdate:
                 f"task group {self.index}, op {position}: captured {old.func}, "
                 f"the update issued {func}; an update must issue the same ops"
             )
-        if old.kind is not _Kind.VIEW and old.kind is not _Kind.REFRESH:
+        if self.aliases:
+            args, kwargs = substitute(args, self.aliases), substitute(kwargs, self.aliases)
+        if old.kind is not Kind.VIEW and old.kind is not Kind.REFRESH:
             self._check_input_shapes(old, func, args, kwargs)
-            self.staged.append(_Op(func, args, kwargs, old.outputs, old.kind))
+            self.staged.append(Op(func, args, kwargs, old.outputs, old.kind))
             return old.outputs
         # A view: metadata only, nothing is computed. The fresh view is handed on (autograd
         # cannot re-wrap the captured one) and aliases the same memory when unchanged.
         fresh = func(*args, **kwargs)
         self.staged.append(self._restage_view(old, func, args, kwargs, fresh))
+        for captured, new in zip(tree_leaves(old.outputs), tree_leaves(fresh)):
+            if isinstance(new, torch.Tensor):
+                self.aliases[id(new)] = captured
+        self._fresh_views.append(fresh)
         return fresh
 
-    def _check_input_shapes(self, old: _Op, func: Any, args: tuple, kwargs: dict) -> None:
+    def _check_input_shapes(self, old: Op, func: Any, args: tuple, kwargs: dict) -> None:
         before = [
             tuple(t.shape)
             for t in tree_leaves((old.args, old.kwargs))
@@ -241,10 +279,10 @@ class _GroupUpdate:
                 f"captured {before}; shapes are fixed per graph"
             )
 
-    def _restage_view(self, old: _Op, func: Any, args: tuple, kwargs: dict, fresh: Any) -> _Op:
+    def _restage_view(self, old: Op, func: Any, args: tuple, kwargs: dict, fresh: Any) -> Op:
         pairs = list(zip(tree_leaves(old.outputs), tree_leaves(fresh)))
         if all(_same_geometry(a, b) for a, b in pairs):
-            return _Op(func, args, kwargs, old.outputs, _Kind.VIEW)
+            return Op(func, args, kwargs, old.outputs, Kind.VIEW)
         for captured, new in pairs:
             if captured.shape != new.shape or captured.dtype != new.dtype:
                 raise TaskUpdateError(
@@ -256,7 +294,7 @@ class _GroupUpdate:
                     f"task group {self.index}: {func} now views its base differently; pass "
                     "step state to the op as host arguments, not as views of graph tensors"
                 )
-        return _Op(func, args, kwargs, old.outputs, _Kind.REFRESH)
+        return Op(func, args, kwargs, old.outputs, Kind.REFRESH)
 
     def check_complete(self) -> None:
         if self.start + len(self.staged) != self.end:
@@ -267,6 +305,8 @@ class _GroupUpdate:
 
     def commit(self) -> None:
         self.graph.ops[self.start : self.end] = self.staged
+        if self.graph.program is not None:
+            self.graph.program.recompile(self.graph.ops, self.start, self.end)
 
 
 class _Recorder(TorchDispatchMode):
@@ -277,21 +317,23 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._graph.opaque_depth:
+            return func(*args, **kwargs)
         if func.namespace not in _NATIVE_NAMESPACES:
             return self._record_below(func, args, kwargs)
         if self._update is not None:
             return self._update.issue(func, args, kwargs)
         outputs = func(*args, **kwargs)
         if func in _SHAPE_QUERIES:
-            self._graph.append(_Op(func, args, kwargs, outputs, _Kind.VIEW))
+            self._graph.append(Op(func, args, kwargs, outputs, Kind.VIEW))
             return outputs
         _check_no_host_values(func, outputs)
         kind = _kind_of(func)
-        if kind is _Kind.VIEW and not _aliases_inputs(outputs, args, kwargs):
+        if kind is Kind.VIEW and not _aliases_inputs(outputs, args, kwargs):
             # Composite ops such as aten.to / aten.reshape carry alias annotations but
             # copy when they must (a dtype change, a non-viewable shape): redo those.
-            kind = _Kind.COMPUTE
-        self._graph.append(_Op(func, args, kwargs, outputs, kind))
+            kind = Kind.COMPUTE
+        self._graph.append(Op(func, args, kwargs, outputs, kind))
         return outputs
 
     def _record_below(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -360,6 +402,7 @@ class HostGraphBackend(GraphBackend):
     supports_task_update = True
     weak_ref_outputs = False  # CPU memory has no graph pool to hand out views of
     capture_executes = True
+    records_tasks_whole = True
 
     def __init__(self) -> None:
         self._graphs: weakref.WeakSet[HostGraph] = weakref.WeakSet()
@@ -387,6 +430,7 @@ class HostGraphBackend(GraphBackend):
         try:
             with _Recorder(graph):
                 yield
+            graph.compile()
         except BaseException:
             graph.reset()
             raise
@@ -395,6 +439,10 @@ class HostGraphBackend(GraphBackend):
         finally:
             with _ACTIVE_LOCK:
                 _ACTIVE = None
+
+    def finish_capture(self, graph: Any, outputs: Any) -> None:
+        """Keep only what outlives a replay: ``outputs`` (and tensors task updates need)."""
+        graph.compile(outputs)
 
     def replay(self, graph: Any) -> None:
         graph.replay()
@@ -439,6 +487,27 @@ class HostGraphBackend(GraphBackend):
         graph.groups.append((token, graph.num_ops))
         return HostTaskHandle(graph, len(graph.groups) - 1)
 
+    def record_task(
+        self,
+        graph: Any,
+        stream: Any,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        host_values: Mapping[str, Any],
+    ) -> tuple[Any, HostTaskHandle]:
+        """Run ``fn(*args, **kwargs, **host_values)`` as one recorded op (an opaque task).
+
+        Like an NPU kernel whose host arguments are baked into its task, the op replays
+        with ``host_values`` as captured until ``update_tasks`` swaps in new ones; the
+        ops ``fn`` issues are not recorded one by one, so it may pick shapes from its
+        host arguments (a kernel that sizes its tiles by the step's sequence lengths).
+        """
+        if graph is not _ACTIVE:
+            raise GraphCaptureError("record_task outside the capture of this graph")
+        result = graph.record_task(fn, args, kwargs, dict(host_values))
+        return result, HostTaskHandle(graph, len(graph.groups) - 1)
+
     def update_tasks(self, graph: Any, updates: Sequence[TaskUpdate]) -> None:
         if _ACTIVE is not None:
             raise GraphCaptureError("task update while a capture is under way")
@@ -447,4 +516,14 @@ class HostGraphBackend(GraphBackend):
             update.commit()
 
     def memory_in_use(self) -> int:
-        return sum(graph.nbytes() for graph in list(self._graphs) if graph.captured)
+        """What the graphs hold (their own bytes) plus the pool their replays draw on."""
+        own, pool = self.memory_breakdown()
+        return own + pool
+
+    def memory_breakdown(self) -> tuple[int, int]:
+        """``(own, pool)``: bytes graphs keep between replays, and the largest replay peak
+        of intermediates (one pool: replays run one at a time and release as they go)."""
+        graphs = [graph for graph in list(self._graphs) if graph.captured]
+        own = sum(graph.nbytes() for graph in graphs)
+        pool = max((graph.peak_transient_bytes for graph in graphs), default=0)
+        return own, pool
