@@ -1,7 +1,7 @@
 """Graph wiring on host graphs: capture, task update with each step's plan, replay.
 
-The attention of a decode step is captured once (through the bridge's updatable
-task and its fixed-shape host provider), then replayed for other steps of the same
+The attention of a decode step is captured once (as the bridge's updatable task,
+recorded whole with its plan baked in, as an NPU task bakes its host lists), then replayed for other steps of the same
 batch size with other sequence lengths, block tables and slots. Every replay must
 match float64 dense attention over the raw K/V (tolerance 2e-5), so a stale host
 argument (the staleness an NPU graph would have without task update) shows.
@@ -24,12 +24,11 @@ from vllm.forward_context import BatchDescriptor, set_forward_context
 
 import npu_attention
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
-from npu_vllm_bridge.attention import graph_provider
 from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
 from npu_vllm_bridge.attention.kv_cache import split_kv_cache
 from npu_vllm_bridge.graphs.counters import graph_counters, reset_graph_counters
 from npu_vllm_bridge.graphs.tasks import run_attention
-from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, step_plan
+from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, step_metadata
 
 BLOCK_SIZE, NUM_BLOCKS, BATCH = 16, 96, 4
 SPEC = npu_attention.AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32)
@@ -39,12 +38,7 @@ ATOL = 2e-5
 STEPS = [(40, 3, 77, 15), (41, 4, 78, 16), (7, 90, 1, 33), (12, 5, 64, None)]
 
 
-@pytest.fixture(autouse=True)
-def _registered():
-    graph_provider.register()
-
-
-def _plan(batch) -> npu_attention.AttentionPlan:
+def _plan(batch, spec=SPEC) -> npu_attention.AttentionPlan:
     cm = batch.common
     return npu_attention.plan(
         cm.query_start_loc_cpu,
@@ -52,8 +46,8 @@ def _plan(batch) -> npu_attention.AttentionPlan:
         cm.block_table_tensor,
         cm.slot_mapping,
         cm.num_reqs,
-        SPEC,
-        provider=graph_provider.PROVIDER_NAME,
+        spec,
+        provider="reference",
     )
 
 
@@ -171,40 +165,65 @@ def _metadata(plan) -> BridgeAttentionMetadata:
     return BridgeAttentionMetadata(plan=plan, num_actual_tokens=BATCH)
 
 
-def test_bridge_wrapper_captures_updates_and_replays_under_vllm_forward_context():
+WINDOWED = npu_attention.AttentionSpec(
+    NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, sliding_window=10
+)
+
+
+class _TwoGroups(torch.nn.Module):
+    """Two attention layers of different KV-cache groups: full, then sliding window."""
+
+    def __init__(self, inputs, caches):
+        super().__init__()
+        self.inputs, self.caches = inputs, caches
+
+    def forward(self, query):
+        from vllm.forward_context import get_forward_context
+
+        per_layer = get_forward_context().attn_metadata
+        out = torch.empty(BATCH, NUM_HEADS, HEAD_SIZE)
+        self._layer("layer.0", query, out, per_layer)
+        second = torch.empty_like(out)
+        self._layer("layer.1", out * 0.5, second, per_layer)
+        return second
+
+    def _layer(self, name, query, out, per_layer):
+        key_cache, value_cache = self.caches[name]
+        k, v = self.inputs.key, self.inputs.value
+        plan = per_layer[name].plan
+        run_attention(
+            query, k, v, key_cache, value_cache, plan, out, layer_name=name, step_metadata=per_layer
+        )
+
+
+def test_bridge_wrapper_updates_each_kv_cache_group_with_its_own_plan():
+    """FULL graphs of a model with two KV-cache groups (one plan each): every replay
+    equals eager, and vLLM's capture counter counts the capture."""
+    from vllm.compilation.counter import compilation_counter
+
     config = VllmConfig()
     generator = torch.Generator().manual_seed(13)
     kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
+    caches = dict.fromkeys(("layer.0", "layer.1"), split_kv_cache(kv_cache, HEAD_SIZE))
     inputs = _Inputs()
-
-    class TwoLayers(torch.nn.Module):
-        def forward(self, query):
-            out = torch.empty(BATCH, NUM_HEADS, HEAD_SIZE)
-            from vllm.forward_context import get_forward_context
-
-            plan = get_forward_context().attn_metadata["layer.0"].plan
-            run_attention(query, inputs.key, inputs.value, key_cache, value_cache, plan, out)
-            second = torch.empty_like(out)
-            run_attention(out * 0.5, None, None, key_cache, value_cache, plan, second)
-            return second
-
     reset_graph_counters()
+    captured_before = compilation_counter.num_cudagraph_captured
     wrapper = BridgeGraphWrapper(
-        TwoLayers(), config, CUDAGraphMode.FULL, num_attention_layers=2, graph_backend="host"
-    )
+        _TwoGroups(inputs, caches), config, CUDAGraphMode.FULL, num_attention_layers=2,
+        graph_backend="host",
+    )  # fmt: skip
     descriptor = BatchDescriptor(num_tokens=BATCH, num_reqs=BATCH, uniform=True)
     for contexts in STEPS:
         batch = _pad_width(_step_batch(contexts, kv_cache, generator), width=8)
         inputs.load(batch)
-        metadata = _metadata(_plan(batch))
-        per_layer = {"layer.0": metadata, "layer.1": metadata}
+        per_layer = {
+            "layer.0": _metadata(_plan(batch)),
+            "layer.1": _metadata(_plan(batch, WINDOWED)),
+        }
         with set_forward_context(
-            per_layer,
-            config,
-            cudagraph_runtime_mode=CUDAGraphMode.FULL,
+            per_layer, config, cudagraph_runtime_mode=CUDAGraphMode.FULL,
             batch_descriptor=descriptor,
-        ):
+        ):  # fmt: skip
             graph_out = wrapper(inputs.query).clone()
         with set_forward_context(per_layer, config):  # eager, as a step with no graph runs
             eager_out = wrapper(inputs.query)
@@ -212,9 +231,43 @@ def test_bridge_wrapper_captures_updates_and_replays_under_vllm_forward_context(
         torch.testing.assert_close(graph_out[:real], eager_out[:real], atol=ATOL, rtol=0)
     counters = graph_counters()
     assert counters.captured == 1
+    assert compilation_counter.num_cudagraph_captured == captured_before + 1
     assert counters.replayed_steps == len(STEPS) - 1
     assert counters.task_updates == len(STEPS) - 1
     assert counters.eager_steps == len(STEPS)
+
+
+def test_skipped_update_of_one_group_is_caught():
+    """The control for several groups: re-issue only the first group's tasks with the
+    new step, and the second group's layer replays its stale plan."""
+    config = VllmConfig()
+    generator = torch.Generator().manual_seed(16)
+    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    caches = dict.fromkeys(("layer.0", "layer.1"), split_kv_cache(kv_cache, HEAD_SIZE))
+    inputs = _Inputs()
+    wrapper = BridgeGraphWrapper(
+        _TwoGroups(inputs, caches), config, CUDAGraphMode.FULL, num_attention_layers=2,
+        graph_backend="host",
+    )  # fmt: skip
+    descriptor = BatchDescriptor(num_tokens=BATCH, num_reqs=BATCH, uniform=True)
+    per_layer_of = []
+    for contexts in STEPS[:2]:
+        batch = _pad_width(_step_batch(contexts, kv_cache, generator), width=8)
+        per_layer_of.append(
+            {"layer.0": _metadata(_plan(batch)), "layer.1": _metadata(_plan(batch, WINDOWED))}
+        )
+    inputs.load(batch)
+    with set_forward_context(
+        per_layer_of[0], config, cudagraph_runtime_mode=CUDAGraphMode.FULL,
+        batch_descriptor=descriptor,
+    ):  # fmt: skip
+        wrapper(inputs.query)  # capture with step 0
+    mixed = {"layer.0": per_layer_of[1]["layer.0"], "layer.1": per_layer_of[0]["layer.1"]}
+    wrapper.tasks.update(descriptor, mixed, changed=True)
+    graph_out = wrapper.graphs.replay(descriptor).clone()
+    with set_forward_context(per_layer_of[1], config):
+        eager_out = wrapper(inputs.query)
+    assert (graph_out - eager_out).abs().max() > 1e-3
 
 
 def test_wrapper_refuses_modes_it_cannot_run():
@@ -222,36 +275,10 @@ def test_wrapper_refuses_modes_it_cannot_run():
         BridgeGraphWrapper(lambda: None, VllmConfig(), CUDAGraphMode.NONE, graph_backend="host")
 
 
-def test_step_plan_needs_one_plan_per_step():
+def test_step_metadata_must_be_per_layer():
     generator = torch.Generator().manual_seed(14)
     kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    plans = [_plan(_step_batch(c, kv_cache, generator)) for c in STEPS[:2]]
-    one = _metadata(plans[0])
-    assert step_plan({"a": one, "b": one}) is plans[0]
-    with pytest.raises(ValueError, match=r"one attention plan per step.*got 2"):
-        step_plan({"a": one, "b": _metadata(plans[1])})
-
-
-def test_fixed_decode_provider_matches_naive_with_sliding_window():
-    spec = npu_attention.AttentionSpec(
-        NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, sliding_window=10
-    )
-    generator = torch.Generator().manual_seed(15)
-    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    batch = make_batch([(30, 1), (3, 1), (57, 1)], kv_cache, BLOCK_SIZE, generator)
-    cm = batch.common
-    plan = npu_attention.plan(
-        cm.query_start_loc_cpu,
-        cm.seq_lens_cpu_upper_bound,
-        cm.block_table_tensor,
-        cm.slot_mapping,
-        3,
-        spec,
-        provider=graph_provider.PROVIDER_NAME,
-    )
-    assert isinstance(plan.provider_data, graph_provider.FixedDecodeData)
-    out = torch.full_like(batch.query, float("nan"))
-    key_cache, value_cache = split_kv_cache(kv_cache, HEAD_SIZE)
-    npu_attention.run(batch.query, batch.key, batch.value, key_cache, value_cache, plan, out)
-    expected = naive_attention(batch, SCALE, sliding_window=10)
-    torch.testing.assert_close(out.double(), expected, atol=ATOL, rtol=0)
+    one = _metadata(_plan(_step_batch(STEPS[0], kv_cache, generator)))
+    assert step_metadata({"a": one})["a"] is one
+    with pytest.raises(ValueError, match=r"layer_name: metadata.*got list"):
+        step_metadata([{"a": one}])

@@ -63,8 +63,6 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         self.spec = attention_spec_for_layers(kv_cache_spec, layer_names, vllm_config)
         self.provider = attention_provider_name()
-        graphs_on = vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs()
-        self.decode_provider = graph_decode_provider_name() if graphs_on else None
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len if model_config is not None else None
 
@@ -93,7 +91,6 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
                 longest = min(longest, self.max_model_len)
             seq_lens = [max(longest, q) if q else 0 for q in query_lens]
         cu_seqlens_q = cumulative(query_lens)
-        uniform_decode = all(q == 1 for q in query_lens)
         plan = npu_attention.plan(
             cu_seqlens_q,
             seq_lens,
@@ -102,9 +99,7 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
             count_leading_decodes(query_lens),
             self.spec,
             device=self.device,
-            provider=self.decode_provider
-            if uniform_decode and self.decode_provider
-            else self.provider,
+            provider=self.provider,
         )
         return BridgeAttentionMetadata(plan, cm.num_actual_tokens, for_capture)
 
@@ -201,16 +196,3 @@ def attention_provider_name() -> str | None:
     from vllm.platforms import current_platform
 
     return getattr(current_platform, "attention_provider", None)
-
-
-def graph_decode_provider_name() -> str | None:
-    """The provider the platform wants for decode steps when graphs are on (``None``:
-    the regular one), registered with npu-attention if it is the bridge's own."""
-    from vllm.platforms import current_platform
-
-    from npu_vllm_bridge.attention import graph_provider
-
-    name = getattr(current_platform, "graph_decode_provider", None)
-    if name == graph_provider.PROVIDER_NAME:
-        graph_provider.register()
-    return name

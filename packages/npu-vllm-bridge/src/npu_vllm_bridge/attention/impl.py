@@ -74,8 +74,29 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size, self.kv_cache_split)
         if self.kv_sharing_target_layer_name is not None:
             key = value = None
-        run_attention(query, key, value, key_cache, value_cache, attn_metadata.plan, output)
+        run_attention(
+            query,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            attn_metadata.plan,
+            output,
+            layer_name=layer.layer_name,
+            step_metadata=step_metadata_of(layer.layer_name, attn_metadata),
+        )
         return output
+
+
+def step_metadata_of(layer_name: str, attn_metadata: Any) -> dict[str, Any]:
+    """The step's ``{layer_name: metadata}`` (vLLM's forward context), or this layer's alone."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if is_forward_context_available():
+        per_layer = get_forward_context().attn_metadata
+        if isinstance(per_layer, dict) and per_layer.get(layer_name) is attn_metadata:
+            return per_layer
+    return {layer_name: attn_metadata}
 
 
 def kv_cache_split_of_platform() -> str:

@@ -20,7 +20,10 @@ class GraphCounters:
             needs none).
         eager_steps: model forwards that ran without a graph (a size with no graph,
             a mixed batch under FULL_DECODE_ONLY); only counted with graphs on.
-        capture_bytes: memory the captured graphs hold (backend's own accounting).
+        capture_bytes: memory the captured graphs hold (backend's own accounting:
+            what each graph keeps plus the pool their replays share).
+        estimated_bytes: the graph memory estimated before the KV cache was sized.
+        capture_seconds: wall time of the start-up capture.
     """
 
     captured: int = 0
@@ -30,8 +33,10 @@ class GraphCounters:
     task_updates: int = 0
     eager_steps: int = 0
     capture_bytes: int = 0
+    estimated_bytes: int = 0
+    capture_seconds: float = 0.0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, get_layers_from_vllm_config, set_current_vllm_config
 from vllm.logger import init_logger
@@ -51,39 +52,34 @@ class GraphRunnerMixin:
         groups = self.cudagraph_dispatcher.get_capture_descs()
         if self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE or not groups:
             return 0
-        self._check_one_plan_per_step()
         backend = get_backend(graph_backend_name())
-        held = 0
+        held = seconds = 0.0
         set_cudagraph_capturing_enabled(True)
         try:
             with torch.inference_mode():
                 for runtime_mode, descs in groups:
-                    held += self._capture_group(backend, runtime_mode, descs).memory_bytes
+                    report = self._capture_group(backend, runtime_mode, descs)
+                    held += report.memory_bytes
+                    seconds += report.seconds
         finally:
             set_cudagraph_capturing_enabled(False)
+        own, pool = backend.memory_breakdown()
         logger.info(
-            "Captured %d %s graphs (%s): they hold %.2f MiB",
+            "Captured %d %s graphs (%s) in %.1f s: they hold %.2f MiB (%.2f MiB of their own, "
+            "%.2f MiB of shared pool)",
             sum(len(descs) for _, descs in groups),
             backend.name,
             self.compilation_config.cudagraph_mode.name,
+            seconds,
             held / 2**20,
+            own / 2**20,
+            pool / 2**20,
         )
         counters = graph_counters()
-        counters.capture_bytes += held
+        counters.capture_bytes += int(held)
+        counters.capture_seconds += seconds
         counters.eager_steps = 0  # the capture's warm-up forwards are not steps
-        return held
-
-    def _check_one_plan_per_step(self) -> None:
-        """FULL graphs update one plan per step: refuse models with several KV-cache groups."""
-        if not self.compilation_config.cudagraph_mode.has_full_cudagraphs():
-            return
-        groups = self.kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
-        if len(groups) > 1:
-            raise ValueError(
-                f"npu-vllm-bridge FULL graphs need one KV-cache group, this model has "
-                f"{len(groups)} (e.g. sliding-window and full-attention layers); use "
-                "cudagraph_mode='PIECEWISE' or enforce_eager=True"
-            )
+        return int(held)
 
     def _capture_group(self, backend: GraphBackend, runtime_mode: CUDAGraphMode, descs: list):
         kind = "decode" if descs[0].uniform else "mixed prefill-decode"
@@ -101,23 +97,26 @@ class GraphRunnerMixin:
     def profile_graph_memory(self) -> int:
         """Estimate the memory of all graphs before the KV cache is sized.
 
-        On a minimal KV cache, capture the largest and smallest graph of each mode,
-        fit memory as ``a + b * num_tokens`` and sum it over every size to capture
-        (host graphs keep their own activations; device graphs share one pool, so
-        the sum is an upper bound there). The profiling graphs are dropped after.
+        On a minimal KV cache, capture the largest and the smallest graph of each mode
+        into the shared pool. The pool (the largest replay's intermediates, shared by
+        every graph) counts once; what each graph keeps for itself (its outputs) is fit
+        as ``a + b * num_tokens`` and summed over every size to capture. The profiling
+        graphs are dropped after.
         """
         if not self.compilation_config.cudagraph_mode.has_full_cudagraphs():
             return 0
         with set_current_vllm_config(self.vllm_config):
             self._init_minimal_kv_cache_for_profiling()  # type: ignore[attr-defined]
-        self._check_one_plan_per_step()
         backend = get_backend(graph_backend_name())
-        total = 0
+        saved_captures = compilation_counter.num_cudagraph_captured
+        own_total = 0
+        _, pool_before = backend.memory_breakdown()
         set_cudagraph_capturing_enabled(True)
         try:
             with torch.inference_mode():
                 for runtime_mode, descs in self.cudagraph_dispatcher.get_capture_descs():
-                    total += self._estimate_group(backend, runtime_mode, descs)
+                    own_total += self._estimate_group(backend, runtime_mode, descs)
+            _, pool_after = backend.memory_breakdown()
         finally:
             set_cudagraph_capturing_enabled(False)
             for wrapper in BridgeGraphWrapper._all_instances:
@@ -127,17 +126,28 @@ class GraphRunnerMixin:
             self.cudagraph_dispatcher.keys_initialized = False
             self._cleanup_profiling_kv_cache()  # type: ignore[attr-defined]
             graph_counters().captured = 0
-        logger.info("Estimated graph memory: %.2f MiB (counted before the KV cache)", total / 2**20)
+            compilation_counter.num_cudagraph_captured = saved_captures
+        total = own_total + max(pool_after - pool_before, 0)
+        graph_counters().estimated_bytes = total
+        logger.info(
+            "Estimated graph memory: %.2f MiB (counted before the KV cache: %.2f MiB of the "
+            "graphs' own, %.2f MiB of shared pool)",
+            total / 2**20,
+            own_total / 2**20,
+            (total - own_total) / 2**20,
+        )
         return total
 
     def _estimate_group(
         self, backend: GraphBackend, runtime_mode: CUDAGraphMode, descs: list
     ) -> int:
+        """Sum over ``descs`` of each graph's own bytes, fit on the largest and smallest."""
         samples = []
         for desc in {descs[0].num_tokens: descs[0], descs[-1].num_tokens: descs[-1]}.values():
-            before = backend.memory_in_use()
+            before, _ = backend.memory_breakdown()
             self._warmup_and_capture(desc, cudagraph_runtime_mode=runtime_mode)  # type: ignore[attr-defined]
-            samples.append((desc.num_tokens, backend.memory_in_use() - before))
+            after, _ = backend.memory_breakdown()
+            samples.append((desc.num_tokens, after - before))
         (n_big, m_big), (n_small, m_small) = samples[0], samples[-1]
         slope = (m_big - m_small) / (n_big - n_small) if n_big != n_small else 0.0
         return int(sum(m_small + slope * (d.num_tokens - n_small) for d in descs))

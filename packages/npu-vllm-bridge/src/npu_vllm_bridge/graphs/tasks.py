@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -19,24 +20,30 @@ def run_attention(
     value_cache: torch.Tensor,
     plan: AttentionPlan,
     out: torch.Tensor,
+    *,
+    layer_name: str | None = None,
+    step_metadata: Mapping[str, Any] | None = None,
 ) -> None:
     """``npu_attention.run`` for one layer, as an npu-graphs updatable task.
 
-    Outside a capture this is a plain call. Inside one, the call is recorded with
-    the step's plan as its step argument: before each replay the model runner
-    hands the new step's plan to ``TaskRegistry.update``, which re-issues the op
-    with the plan's host lists (NPU task update; host graphs mirror it).
+    Outside a capture this is a plain call. Inside one, the call is recorded with a
+    step argument that the model runner hands to ``TaskRegistry.update`` before each
+    replay, which re-issues the op with the new step's host lists (NPU task update;
+    host graphs mirror it):
+
+    * with ``layer_name``: the step is the per-layer metadata of the step
+      (``step_metadata``, vLLM's ``{layer_name: metadata}``), and the task takes its
+      own layer's plan from it, so that each KV-cache group's layers are updated with
+      their group's plan;
+    * without: the step is ``plan`` itself (one plan per step).
     """
+    if layer_name is None:
+        step, derive = plan, _as_kwargs
+    else:
+        step = step_metadata if step_metadata is not None else {layer_name: _Planned(plan)}
+        derive = LayerPlan(layer_name)
     call_task(
-        _attention_task,
-        query,
-        key,
-        value,
-        key_cache,
-        value_cache,
-        out,
-        step=plan,
-        derive=_as_kwargs,
+        _attention_task, query, key, value, key_cache, value_cache, out, step=step, derive=derive
     )
 
 
@@ -46,3 +53,28 @@ def _attention_task(query, key, value, key_cache, value_cache, out, *, plan: Att
 
 def _as_kwargs(plan: AttentionPlan) -> Mapping[str, AttentionPlan]:
     return {"plan": plan}
+
+
+class LayerPlan:
+    """Derives one layer's step arguments from the step's ``{layer_name: metadata}``."""
+
+    __slots__ = ("layer_name",)
+
+    def __init__(self, layer_name: str) -> None:
+        self.layer_name = layer_name
+
+    def __call__(self, step_metadata: Mapping[str, Any]) -> Mapping[str, AttentionPlan]:
+        metadata = step_metadata.get(self.layer_name)
+        if metadata is None:
+            raise ValueError(
+                f"the step's attention metadata has no entry for layer {self.layer_name!r} "
+                f"(it has {sorted(step_metadata)[:4]}...)"
+            )
+        return {"plan": metadata.plan}
+
+
+class _Planned:
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: AttentionPlan) -> None:
+        self.plan = plan

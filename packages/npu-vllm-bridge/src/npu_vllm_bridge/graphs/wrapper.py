@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -106,11 +107,14 @@ class BridgeGraphWrapper:
             raise ValueError(f"{self.runtime_mode.name} graph dispatch without a batch descriptor")
         if self.graphs.has_graph(key):
             self._before_replay(key, context.attn_metadata)
-        else:
-            validate_cudagraph_capturing_enabled()
-            graph_counters().captured += 1
+            with graph_dispatch(self.graph_mode, key):
+                return self.graphs(*args, **kwargs)
+        validate_cudagraph_capturing_enabled()
         with graph_dispatch(self.graph_mode, key):
-            return self.graphs(*args, **kwargs)
+            outputs = self.graphs(*args, **kwargs)
+        graph_counters().captured += 1
+        compilation_counter.num_cudagraph_captured += 1  # as vLLM's CUDAGraphWrapper counts
+        return outputs
 
     def _before_replay(self, key: Any, attn_metadata: Any) -> None:
         counters = graph_counters()
@@ -119,7 +123,9 @@ class BridgeGraphWrapper:
             counters.piecewise_steps += self.first_piece
             return
         counters.replayed_steps += 1
-        if self.tasks.num_tasks(key) and self.tasks.update(key, step_plan(attn_metadata)):
+        if self.tasks.num_tasks(key):
+            # Every step carries new metadata: re-issue without comparing steps.
+            self.tasks.update(key, step_metadata(attn_metadata), changed=True)
             counters.task_updates += 1
 
     def has_graph(self, key: Any) -> bool:
@@ -139,17 +145,16 @@ class BridgeGraphWrapper:
         return getattr(runnable, name)
 
 
-def step_plan(attn_metadata: Any) -> Any:
-    """The one ``npu_attention`` plan of a step, from vLLM's per-layer metadata.
+def step_metadata(attn_metadata: Any) -> dict[str, Any]:
+    """The step's ``{layer_name: metadata}``, the step argument of the attention tasks.
 
     Raises:
-        ValueError: the layers carry different plans (several KV-cache groups), which
-            FULL graphs of the bridge do not support.
+        ValueError: vLLM's forward context holds no per-layer dict (micro-batched
+            steps pass a list of them, which the bridge's FULL graphs do not run).
     """
-    values = attn_metadata.values() if isinstance(attn_metadata, dict) else [attn_metadata]
-    plans = {id(m.plan): m.plan for m in values if hasattr(m, "plan")}
-    if len(plans) != 1:
+    if not isinstance(attn_metadata, dict):
         raise ValueError(
-            f"FULL graphs need one attention plan per step (one KV-cache group), got {len(plans)}"
+            "FULL graph replay needs the step's attention metadata as {layer_name: metadata}, "
+            f"got {type(attn_metadata).__name__}"
         )
-    return next(iter(plans.values()))
+    return attn_metadata

@@ -34,7 +34,6 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
 
     attention_provider: str = "reference"
     kv_cache_split: str = "packed"
-    graph_decode_provider: str = "reference_fixed_decode"
     graph_backend: str = "host"
 
     @classmethod

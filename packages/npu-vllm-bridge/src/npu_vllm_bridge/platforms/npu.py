@@ -48,7 +48,6 @@ class NPUPlatform(BridgePlatformMixin, Platform):
     # Ascend's paged kernels take contiguous K and V caches: each layer's region holds
     # all blocks' K, then all blocks' V (see npu_vllm_bridge.attention.kv_cache).
     kv_cache_split: str = "planes"
-    graph_decode_provider: str | None = None
     graph_backend: str = "npu"
 
     @property
