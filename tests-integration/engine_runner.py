@@ -68,11 +68,13 @@ def main() -> None:
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     result["num_layers"] = layers
     if bridge:
+        from vllm.compilation.counter import compilation_counter
         from vllm.platforms import current_platform
 
         from npu_vllm_bridge.graphs.counters import graph_counters
 
         result["counters"] = graph_counters().as_dict()
+        result["vllm_cudagraph_captured"] = compilation_counter.num_cudagraph_captured
         result["platform"] = type(current_platform).__name__
     else:
         from vllm.platforms import current_platform
