@@ -7,7 +7,8 @@ leaves vLLM on its own CPU platform (CPU_ATTN).
     python engine_runner.py SPEC.json
 
 SPEC: {"model": path, "engine": {LLM kwargs}, "rounds": [[{"prompt": [ids],
-"max_tokens": n}, ...], ...], "host_platform": {HostPlatform attribute: value}}. Each round is one ``generate`` call; later rounds
+"max_tokens": n, "stop_token_ids": [ids] (optional: without it, exactly max_tokens
+tokens)}, ...], ...], "host_platform": {HostPlatform attribute: value}}. Each round is one ``generate`` call; later rounds
 reuse the prefix cache of earlier ones. Output line: ``RESULT {"tokens": [[...]
 per round], "cached_tokens": [[prefix-cache hits per prompt] per round], "counters": {...}, "states": {...}, "backend": name}`` or
 ``RESULT {"error": "Type: message"}`` when the engine refuses to start.
@@ -58,7 +59,12 @@ def main() -> None:
     for round_ in spec["rounds"]:
         prompts = [{"prompt_token_ids": item["prompt"]} for item in round_]
         params = [
-            SamplingParams(max_tokens=item["max_tokens"], temperature=0.0, ignore_eos=True)
+            SamplingParams(
+                max_tokens=item["max_tokens"],
+                temperature=0.0,
+                ignore_eos="stop_token_ids" not in item,
+                stop_token_ids=item.get("stop_token_ids"),
+            )
             for item in round_
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
