@@ -225,7 +225,8 @@ def test_capture_suppresses_gc_and_reports_keys_time_and_memory():
     report = npu_graphs.capture_all([4, 2, 1], capture_one, backend=backend, progress=False)
     assert seen == {"gc_enabled": False, "collected": 0}
     assert report.keys == (4, 2, 1) and wrapper.keys() == [4, 2, 1]
-    assert report.memory_bytes >= (4 + 2 + 1) * 256 * 4 and report.seconds >= 0
+    # Host graphs share one pool: the largest replay's output (4 * 256 floats) counts once.
+    assert report.memory_bytes == 4 * 256 * 4 and report.seconds >= 0
     assert "captured 3 graphs" in str(report)
     assert gc.isenabled()
 

@@ -191,3 +191,58 @@ def test_alias_annotated_ops_that_copied_are_redone(host):
     host.replay(graph)
     torch.testing.assert_close(converted, x.to(torch.float64))
     torch.testing.assert_close(flattened, x.t().reshape(6))
+
+
+_LIB.define("scale_into(Tensor(a!) out, Tensor x, Tensor factor) -> ()")
+
+
+def _scale_into(out: torch.Tensor, x: torch.Tensor, factor: torch.Tensor) -> None:
+    out.copy_(torch.from_numpy(x.numpy() * factor.numpy()))  # work no recorder can see
+
+
+_LIB.impl("scale_into", _scale_into, "CPU")
+
+
+def test_ops_registered_whole_are_replayed_as_one_op(host):
+    """A kernel whose work happens outside torch (as a GEMM library's does) is lost when
+    recorded below; registered whole, it is replayed like an aten op."""
+    x, factor = torch.arange(4.0), torch.tensor([3.0])
+
+    def fn():
+        out = torch.empty(4)
+        torch.ops.npu_graphs_test.scale_into(out, x, factor)
+        return out * 1.0
+
+    graph, out = capture(host, fn)
+    host.finish_capture(graph, out)
+    x.add_(1)
+    assert all(op.func.namespace == "aten" for op in graph.ops)  # recorded below: blind
+    torch.testing.assert_close(host.replay(graph), torch.arange(4.0) * 3)  # stale
+    host.record_whole(torch.ops.npu_graphs_test.scale_into.default)
+    whole, whole_out = capture(host, fn)
+    host.finish_capture(whole, whole_out)
+    assert any(op.func.namespace == "npu_graphs_test" for op in whole.ops)
+    torch.testing.assert_close(host.replay(whole), x * 3)
+    with pytest.raises(TypeError, match="OpOverload"):
+        host.record_whole(lambda t: t)
+
+
+def test_finished_graphs_keep_no_intermediates(host):
+    """After finish_capture a graph keeps nothing between replays; a replay's peak of
+    live intermediates follows liveness (chained temporaries reuse freed storage)."""
+    x = torch.randn(256, 256)
+
+    def chain():
+        y = x
+        for _ in range(8):
+            y = torch.tanh(y) * 0.5  # each temporary dies after the next op
+        return y
+
+    graph, out = capture(host, chain)
+    kept_before = graph.nbytes()
+    host.finish_capture(graph, out)
+    one = 256 * 256 * 4
+    assert kept_before >= 16 * one  # every temporary, while outputs are unknown
+    assert graph.nbytes() == 0
+    assert 2 * one <= graph.peak_transient_bytes <= 3 * one
+    torch.testing.assert_close(host.replay(graph), chain())

@@ -83,8 +83,8 @@ class GraphWrapper:
 
     Outputs: on backends with ``weak_ref_outputs`` (CUDA), outputs are non-owning views
     of the shared graph pool, valid until the next replay or capture of any graph in
-    that pool; consume or copy them first. Host graphs hand out the captured tensors
-    themselves; the same rule of use applies.
+    that pool; consume or copy them first. Host graphs return each replay's own
+    tensors (``replay_returns_outputs``); the same rule of use applies.
 
     Args:
         runnable: the callable to capture (a model, a piece of one, a step function).
@@ -134,7 +134,10 @@ class GraphWrapper:
         if entry is None:
             entry = self.capture(state.key, *args, **kwargs)
             if self.backend.capture_executes:
-                return entry.outputs
+                outputs = entry.outputs
+                if self.backend.replay_returns_outputs:
+                    entry.outputs = None  # replays return their own; let these go
+                return outputs
         elif self.debug_check_addresses:
             _check_addresses(self.name, entry, args, kwargs)
         return self.replay(entry.key)
@@ -198,11 +201,11 @@ class GraphWrapper:
             raise KeyError(f"{self.name}: no graph captured for key {key!r}")
         for registry in entry.registries:
             registry.prepare_replay(key, entry.graph)
-        self.backend.replay(entry.graph)
+        outputs = self.backend.replay(entry.graph)
         for registry in entry.registries:
             registry.finish_replay(key, entry.graph)
         entry.replays += 1
-        return entry.outputs
+        return outputs if self.backend.replay_returns_outputs else entry.outputs
 
     # -- bookkeeping ------------------------------------------------------------------
     def has_graph(self, key: Hashable) -> bool:

@@ -37,6 +37,9 @@ class GraphBackend(abc.ABC):
     # Whether an updatable task is recorded as one op (``record_task``) rather than as
     # the ops it issues between ``task_group_begin`` and ``task_group_end``.
     records_tasks_whole: ClassVar[bool] = False
+    # Whether ``replay`` returns the graph's outputs afresh after ``finish_capture``
+    # (host) instead of refreshing the tensors the capture returned (devices).
+    replay_returns_outputs: ClassVar[bool] = False
 
     # -- graphs ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -57,8 +60,9 @@ class GraphBackend(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def replay(self, graph: Any) -> None:
-        """Launch the captured work of ``graph`` on the current stream."""
+    def replay(self, graph: Any) -> Any:
+        """Launch the captured work of ``graph`` on the current stream; returns the
+        outputs if ``replay_returns_outputs``, else ``None``."""
 
     @abc.abstractmethod
     def is_capturing(self) -> bool:

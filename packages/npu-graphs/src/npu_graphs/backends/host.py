@@ -15,7 +15,10 @@ and kind of ops come out and swaps their arguments into the group.
 Ops outside the ``aten``/``prims`` namespaces (custom ops whose Python kernel may read
 global state at call time) are recorded *below*: their kernel runs with the recorder
 active, so the aten ops they issue are recorded with the values read at capture.
-Replaying them as one opaque op would re-read fresh state and hide staleness.
+Replaying them as one opaque op would re-read fresh state and hide staleness. Custom
+ops known to read nothing but their arguments (C++ kernels such as a GEMM library's,
+whose work a recording below could not see) are registered with
+:meth:`HostGraphBackend.record_whole` and recorded as one op like an aten op.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from npu_graphs.backends.host_program import HostProgram, Kind, Layout, Op, subs
 from npu_graphs.errors import GraphCaptureError, GraphReplayError, TaskUpdateError
 
 _NATIVE_NAMESPACES = frozenset({"aten", "prim", "prims"})
+# Custom ops that read nothing but their arguments: recorded as one op each.
+_WHOLE_OPS: set[Any] = set()
 _aten = torch.ops.aten
 _ALLOC_OPS = frozenset(
     {
@@ -147,14 +152,16 @@ class HostGraph:
     def num_ops(self) -> int:
         return len(self.ops)
 
-    def compile(self, outputs: Any = None) -> None:
-        """Compile the recording for replay; ``outputs`` known: only they persist.
+    def compile(self, outputs: Any = None, *, outputs_known: bool = False) -> None:
+        """Compile the recording for replay.
 
-        Until the outputs are known every tensor the graph allocated is kept (a raw
-        capture hands out any of them); once they are, storage that no output aliases
-        is released and replays take it from the allocator for its live range only.
+        Until the outputs are known every tensor the graph allocated is kept at its
+        captured address (a raw capture may hand out any of them); once they are, a
+        replay takes every intermediate from the allocator for its live range only and
+        returns fresh outputs (see ``host_program``).
         """
-        self.program = HostProgram(self.ops, Layout.of(self.ops, outputs), keep=self.groups)
+        layout = Layout.of(self.ops, outputs_known)
+        self.program = HostProgram(self.ops, layout, keep=self.groups, outputs=outputs)
 
     def nbytes(self) -> int:
         """Bytes this graph keeps between replays (outputs; tensors kept for task updates)."""
@@ -174,10 +181,11 @@ class HostGraph:
         """Bytes of intermediates live at once at the peak of a replay (from the pool)."""
         return self.program.peak_transient_bytes if self.program is not None else 0
 
-    def replay(self) -> None:
+    def replay(self) -> Any:
+        """Run the recorded ops; returns the outputs (``None`` before ``finish_capture``)."""
         if not self.captured or self.program is None:
             raise GraphReplayError("this host graph has not been captured (or its capture failed)")
-        self.program.run()
+        return self.program.run()
 
     def stage_update(self, index: int, issue: Callable[[], object] | None) -> _GroupUpdate:
         """Re-issue task group ``index`` through ``issue``; ``commit()`` the result to apply it."""
@@ -319,7 +327,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._graph.opaque_depth:
             return func(*args, **kwargs)
-        if func.namespace not in _NATIVE_NAMESPACES:
+        if func.namespace not in _NATIVE_NAMESPACES and func not in _WHOLE_OPS:
             return self._record_below(func, args, kwargs)
         if self._update is not None:
             return self._update.issue(func, args, kwargs)
@@ -403,6 +411,7 @@ class HostGraphBackend(GraphBackend):
     weak_ref_outputs = False  # CPU memory has no graph pool to hand out views of
     capture_executes = True
     records_tasks_whole = True
+    replay_returns_outputs = True
 
     def __init__(self) -> None:
         self._graphs: weakref.WeakSet[HostGraph] = weakref.WeakSet()
@@ -440,12 +449,25 @@ class HostGraphBackend(GraphBackend):
             with _ACTIVE_LOCK:
                 _ACTIVE = None
 
-    def finish_capture(self, graph: Any, outputs: Any) -> None:
-        """Keep only what outlives a replay: ``outputs`` (and tensors task updates need)."""
-        graph.compile(outputs)
+    @staticmethod
+    def record_whole(*ops: Any) -> None:
+        """Record these custom ops (``OpOverload``s) as one op each, not below.
 
-    def replay(self, graph: Any) -> None:
-        graph.replay()
+        Only for ops whose kernels read nothing but their arguments: a replay re-runs
+        them with the captured arguments, so state they read elsewhere would be fresh.
+        """
+        for op in ops:
+            if not isinstance(op, torch._ops.OpOverload):
+                raise TypeError(f"record_whole takes OpOverloads, got {type(op).__name__}")
+            _WHOLE_OPS.add(op)
+
+    def finish_capture(self, graph: Any, outputs: Any) -> None:
+        """Release what the capture allocated: from now on each replay computes its
+        intermediates and outputs afresh (only tensors task updates need are kept)."""
+        graph.compile(outputs, outputs_known=True)
+
+    def replay(self, graph: Any) -> Any:
+        return graph.replay()
 
     def is_capturing(self) -> bool:
         return _ACTIVE is not None

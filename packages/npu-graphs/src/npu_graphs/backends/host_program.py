@@ -8,17 +8,20 @@ each intermediate from the process allocator and drops it after its last reader
 reused, and every graph draws on one pool, the host heap, of which at most one
 replay's intermediates are live at a time.
 
-What a graph keeps between replays is what a device graph must keep at a fixed
-address too: its *persistent* storage, i.e. the storage of its outputs (callers read
-them after replay). Storage produced outside the graph (inputs, weights, caches and
-tensors baked into the recording) belongs to the caller.
+A graph's outputs are replay-local too: each replay hands out the tensors it computed
+(a device graph hands out the same addresses each time; a caller that consumes its
+outputs before the next replay, as the device contract requires, sees no difference).
+So a compiled graph keeps nothing between replays but tensors that task updates
+re-issue against. Storage produced outside the graph (inputs, weights, caches and
+tensors baked into the recording) belongs to the caller. A recording compiled before
+its outputs are known keeps every tensor it produced, at the captured addresses.
 
 Storage is classified once, when the graph's outputs are known
 (:meth:`HostProgram.compile`):
 
 * *external*: first seen as an op input: used by reference, never copied;
-* *persistent*: produced inside the graph and aliased by an output: each replay
-  recomputes it and copies the result into the captured tensor;
+* *persistent* (only until the outputs are known): produced inside the graph; each
+  replay recomputes it and copies the result into the captured tensor;
 * *transient*: every other storage produced inside the graph: each tensor on it is a
   slot of the replay's environment, filled by its producer and emptied after its
   last reader.
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 
 class Kind(enum.Enum):
@@ -83,8 +86,9 @@ class Layout:
     transient: dict  # storage key -> nbytes
 
     @staticmethod
-    def of(ops: Sequence[Op], outputs: Any) -> Layout:
-        """Classify the storages of ``ops``; ``outputs=None`` keeps every internal one."""
+    def of(ops: Sequence[Op], outputs_known: bool) -> Layout:
+        """Classify the storages of ``ops``; until the outputs are known every storage
+        produced inside the graph persists."""
         seen: set = set()
         internal: dict = {}
         for op in ops:
@@ -95,11 +99,9 @@ class Layout:
                 if key not in seen and op.kind is not Kind.VIEW:
                     internal[key] = leaf.untyped_storage().nbytes()
                 seen.add(key)
-        if outputs is None:
+        if not outputs_known:
             return Layout(frozenset(internal), {})
-        kept = {storage_key(leaf) for leaf in tensor_leaves(outputs)} & internal.keys()
-        transient = {k: n for k, n in internal.items() if k not in kept}
-        return Layout(frozenset(kept), transient)
+        return Layout(frozenset(), internal)
 
 
 class _Nested:
@@ -175,13 +177,22 @@ class HostProgram:
             which an update re-issues against; the others are rewritten with slots).
         layout: the storage classification.
         keep: op index ranges whose records must keep their capture-time tensors.
+        outputs: what the capture returned; a replay returns the same structure with
+            this replay's tensors (``None``: nothing is returned).
     """
 
-    def __init__(self, ops: list[Op], layout: Layout, keep: Iterable[tuple[int, int]] = ()) -> None:
+    def __init__(
+        self,
+        ops: list[Op],
+        layout: Layout,
+        keep: Iterable[tuple[int, int]] = (),
+        outputs: Any = None,
+    ) -> None:
         self.layout = layout
         self._slots: dict[int, int] = {}  # id(capture-time tensor) -> slot
         self._frozen = False
         self.steps: list[_Step | None] = [self._compile(op) for op in ops]
+        self._outputs = _OutputTemplate(outputs, self._template)
         self.num_slots = len(self._slots)
         self._set_releases()
         self.peak_transient_bytes = self._peak_bytes(ops)
@@ -249,6 +260,8 @@ class HostProgram:
                 last_use[slot] = index
             for _, slot in step.bind:
                 last_use.setdefault(slot, index)
+        for slot in self._outputs.slots:
+            last_use.pop(slot, None)  # read when the replay returns, released after
         releases: dict[int, list[int]] = {}
         for slot, index in last_use.items():
             releases.setdefault(index, []).append(slot)
@@ -295,12 +308,14 @@ class HostProgram:
         return value
 
     # -- replay -----------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self) -> Any:
+        """Replay once; returns this replay's outputs (see ``outputs``)."""
         env = self._env
         try:
             for step in self.steps:
                 if step is not None:
                     step.run(env)
+            return self._outputs.build(env)
         finally:
             for index in range(len(env)):
                 env[index] = None
@@ -309,6 +324,21 @@ class HostProgram:
         """Bytes of transient storage that records keep for task updates."""
         storages = {storage_key(t): t.untyped_storage().nbytes() for t in self._kept}
         return sum(n for k, n in storages.items() if k in self.layout.transient)
+
+
+class _OutputTemplate:
+    """The capture's outputs with replay-local tensors as slots; ``build`` fills them."""
+
+    def __init__(self, outputs: Any, template: Callable[[Any], Any]) -> None:
+        self.leaves, self.spec = tree_flatten(outputs)
+        self.items = [template(leaf) for leaf in self.leaves]
+        self.slots = [item.index for item in self.items if type(item) is Slot]
+        self.trivial = not self.slots
+
+    def build(self, env: list) -> Any:
+        if self.trivial:
+            return tree_unflatten(self.leaves, self.spec)
+        return tree_unflatten([_resolve(item, env) for item in self.items], self.spec)
 
 
 def _record_values(op: Op) -> tuple:

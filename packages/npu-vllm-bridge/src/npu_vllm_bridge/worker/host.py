@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from typing import Any
-from unittest import mock
 
 import torch
 from vllm.config import CUDAGraphMode
@@ -15,26 +14,31 @@ from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 
 logger = init_logger(f"vllm.{__name__}")
 
-_GEMM_DISPATCH = "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"
+# vLLM's CPU GEMM kernels (vllm._custom_ops.onednn_mm / weight_packed_linear_cpu).
+_CPU_GEMM_OPS = ("onednn_mm", "weight_packed_linear")
 
 
 class HostModelRunner(GraphRunnerMixin, CPUModelRunner):
     """vLLM's ``CPUModelRunner`` that captures and replays npu-graphs host graphs.
 
-    A host graph is a recording of aten ops. vLLM's CPU linear layers call oneDNN
-    or SGL GEMM kernels through opaque C++ ops whose work such a recording cannot
-    see, so with graphs on the linear layers use ``torch.nn.functional.linear``.
+    A host graph is a recording of aten ops. vLLM's CPU linear layers call oneDNN or
+    SGL GEMM kernels through C++ custom ops whose work a recording below the op
+    cannot see; they read nothing but their arguments (the weight handle is one), so
+    they are recorded whole and host graphs run the same GEMMs as eager steps.
     """
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        if self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE:
-            return super().load_model(*args, **kwargs)
-        with mock.patch(_GEMM_DISPATCH, _aten_linear):
-            return super().load_model(*args, **kwargs)
+        if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            record_cpu_gemms_whole()
+        return super().load_model(*args, **kwargs)
 
 
-def _aten_linear(layer: torch.nn.Module, remove_weight: bool = False) -> None:
-    layer.cpu_linear = torch.nn.functional.linear
+def record_cpu_gemms_whole() -> None:
+    """Register vLLM's CPU GEMM custom ops (those this build has) as whole host-graph ops."""
+    from npu_graphs.backends.host import HostGraphBackend
+
+    packets = [getattr(torch.ops._C, name, None) for name in _CPU_GEMM_OPS]
+    HostGraphBackend.record_whole(*[p.default for p in packets if p is not None])
 
 
 class HostWorker(CPUWorker):
