@@ -17,10 +17,18 @@ QUESTIONS = (
     "List the planets of the solar system in order from the sun, then say which is largest.",
 )
 MAX_TOKENS = 24
+EOS_TOKEN_ID = 2  # <|im_end|>, SmolLM2's eos_token_id: ends an answer
 
 
 def messages(question: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": question}]
+
+
+def chat_round(prompts: list[list[int]]) -> list[dict]:
+    """One engine round: every prompt answered up to EOS or ``MAX_TOKENS``."""
+    return [
+        {"prompt": p, "max_tokens": MAX_TOKENS, "stop_token_ids": [EOS_TOKEN_ID]} for p in prompts
+    ]
 
 
 def chat_prompt_ids(model_dir: Path, questions: tuple[str, ...] = QUESTIONS) -> list[list[int]]:

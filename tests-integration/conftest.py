@@ -14,7 +14,15 @@ from host_threads import set_default_omp_threads
 
 set_default_omp_threads()  # before torch: this process and the engines it starts
 
+from chat_prompts import (  # noqa: E402
+    EOS_TOKEN_ID,
+    MAX_TOKENS,
+    chat_prompt_ids,
+    chat_round,
+    hf_chat_greedy,
+)
 from checkpoints import write_checkpoint  # noqa: E402
+from engines import REAL_MODEL_ENGINE, run_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +38,25 @@ def smollm2() -> Path:
     from smollm2 import smollm2_checkpoint
 
     return smollm2_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def smollm2_chat(smollm2, tmp_path_factory) -> tuple[list[list[dict]], list[list[int]]]:
+    """SmolLM2's chat round (prompt ids from its chat template) and the greedy answers of
+    transformers (float32, one prompt at a time), checked equal to vLLM CPU_ATTN's."""
+    prompts = chat_prompt_ids(smollm2)
+    rounds = [chat_round(prompts)]
+    hf = hf_chat_greedy(smollm2, prompts, MAX_TOKENS, EOS_TOKEN_ID)
+    cpu_attn = run_engine(
+        smollm2,
+        rounds,
+        bridge=False,
+        tmp_path=tmp_path_factory.mktemp("cpu-attn"),
+        enforce_eager=True,
+        **REAL_MODEL_ENGINE,
+    )
+    assert cpu_attn["platform"] == "CpuPlatform", cpu_attn
+    assert cpu_attn["tokens"] == [hf], "vLLM CPU_ATTN differs from transformers (reference check)"
+    # Some answers end early, some run to the limit: the decode batch shrinks.
+    assert len({len(answer) for answer in hf}) > 1, hf
+    return rounds, hf

@@ -25,6 +25,12 @@ ENGINE = dict(
     seed=0,
 )
 
+# The real model (SmolLM2) at the sizes people serve it with; page size and token
+# budget are vLLM's own defaults rather than the small ones above.
+REAL_MODEL_ENGINE = dict(
+    max_model_len=2048, max_num_seqs=16, block_size=None, max_num_batched_tokens=None
+)
+
 
 def run_engine(
     model: Path,

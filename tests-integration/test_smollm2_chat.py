@@ -5,21 +5,14 @@ Eight chat prompts (the checkpoint's own chat template) are answered greedily in
 batch, each up to its end-of-turn token or 24 tokens, so the decode batch shrinks as
 answers end. Through the bridge, eager, with FULL_DECODE_ONLY and with
 FULL_AND_PIECEWISE graphs, the answers must equal, token for token, vLLM's own CPU
-backend's (CPU_ATTN, plugin inactive) and transformers' (float32, one prompt at a time).
+backend's (CPU_ATTN, plugin inactive) and transformers' (float32, one prompt at a time;
+the ``smollm2_chat`` fixture checks those two agree).
 """
 
 from __future__ import annotations
 
 import pytest
-from chat_prompts import MAX_TOKENS, chat_prompt_ids, hf_chat_greedy
-from engines import run_engine
-
-# vLLM's defaults but for these: the sizes under test, the page size and token budget
-# of vLLM's own CPU default rather than the small ones of the tiny-checkpoint tests.
-REAL_MODEL_ENGINE = dict(
-    max_model_len=2048, max_num_seqs=16, block_size=None, max_num_batched_tokens=None
-)
-EOS_TOKEN_ID = 2  # <|im_end|>, the checkpoint's eos_token_id
+from engines import REAL_MODEL_ENGINE, run_engine
 
 GRAPH_MODES = {
     "eager": {"enforce_eager": True},
@@ -34,32 +27,9 @@ GRAPH_MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def chat_references(smollm2, tmp_path_factory):
-    """The chat rounds, transformers' answers and vLLM CPU_ATTN's (eager) answers."""
-    prompts = chat_prompt_ids(smollm2)
-    rounds = [
-        [{"prompt": p, "max_tokens": MAX_TOKENS, "stop_token_ids": [EOS_TOKEN_ID]} for p in prompts]
-    ]
-    hf = hf_chat_greedy(smollm2, prompts, MAX_TOKENS, EOS_TOKEN_ID)
-    cpu_attn = run_engine(
-        smollm2,
-        rounds,
-        bridge=False,
-        tmp_path=tmp_path_factory.mktemp("cpu-attn"),
-        enforce_eager=True,
-        **REAL_MODEL_ENGINE,
-    )
-    assert cpu_attn["platform"] == "CpuPlatform", cpu_attn
-    assert cpu_attn["tokens"] == [hf], "vLLM CPU_ATTN differs from transformers (reference check)"
-    # Some answers end early, some run to the limit: the decode batch shrinks.
-    assert len({len(answer) for answer in hf}) > 1, hf
-    return rounds, hf
-
-
 @pytest.mark.parametrize("mode", list(GRAPH_MODES))
-def test_chat_answers_equal_cpu_attn_and_transformers(smollm2, chat_references, tmp_path, mode):
-    rounds, hf = chat_references
+def test_chat_answers_equal_cpu_attn_and_transformers(smollm2, smollm2_chat, tmp_path, mode):
+    rounds, hf = smollm2_chat
     result = run_engine(
         smollm2, rounds, bridge=True, tmp_path=tmp_path, **REAL_MODEL_ENGINE, **GRAPH_MODES[mode]
     )
