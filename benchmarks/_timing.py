@@ -60,6 +60,34 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+SDPA_PEERS = ("default", "cudnn", "flash")
+
+
+def sdpa_backend(name: str) -> Any:
+    """A context manager that restricts SDPA to one backend (``default``: torch's choice)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    return contextlib.nullcontext() if name == "default" else sdpa_kernel(backends[name])
+
+
+def peer_runner(name: str, fn: Callable[[], Any]) -> Callable[[], Any] | None:
+    """``fn`` run under SDPA backend ``name``, or ``None`` when that backend refuses it."""
+
+    def run() -> Any:
+        with sdpa_backend(name):
+            return fn()
+
+    try:
+        run()
+        torch.cuda.synchronize()
+    except (RuntimeError, ValueError, NotImplementedError):
+        return None
+    return run
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     import triton
 

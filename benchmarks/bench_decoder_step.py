@@ -39,6 +39,7 @@ from npu_attention import AttentionPlan, plan
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
 
 BATCHES = (1, 8, 32, 128)
+PLAN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT = 1024
 
 
@@ -192,16 +193,58 @@ def compare_graph_with_eager(
     return {"max_abs_diff": difference, "rel_l2_diff": relative, "bitwise_equal": difference == 0}
 
 
+def plan_host_sweep(model: LlamaDecoder, steps: DecodeSteps, repeats: int = 200) -> list[dict]:
+    """Median host time of ``plan`` alone, the device idle, for decode batches of 1..256
+    requests (inputs prepared beforehand: host lengths, device tables and slots), without
+    and with fixed buffers."""
+    from npu_attention import PlanBuffers
+
+    spec, device = model.spec, model.device
+    max_batch = steps.block_tables.shape[0]
+    buffers = PlanBuffers.allocate(max_batch, max_batch, steps.width, device=device)
+    rows = []
+    for batch in PLAN_BATCHES:
+        if batch > max_batch:
+            continue
+        seq_lens = steps.seq_lens(batch, 0)
+        cu_seqlens_q = np.arange(batch + 1)
+        tables = steps.block_tables[:batch]
+        slots = torch.arange(batch, dtype=torch.int64, device=device)
+        row: dict[str, Any] = {"batch": batch}
+        for label, fixed in (("plan_us", None), ("plan_buffers_us", buffers)):
+            times = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                plan(cu_seqlens_q, seq_lens, tables, slots, batch, spec,
+                     device=device, provider="triton", buffers=fixed)  # fmt: skip
+                times.append(time.perf_counter() - t0)
+            row[label] = float(np.median(times)) * 1e6
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50, help="timed steps per batch size")
+    parser.add_argument(
+        "--plan-only", action="store_true", help="only the host time of plan, 1..256 requests"
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
     copy_bw = _timing.copy_bandwidth(device)
     config = DecoderConfig()
-    num_blocks = DecodeSteps.num_blocks(max(BATCHES), CONTEXT, config.block_size)
+    max_batch = max(*BATCHES, *PLAN_BATCHES)
+    num_blocks = DecodeSteps.num_blocks(max_batch, CONTEXT, config.block_size)
     model = LlamaDecoder(config, num_blocks, device)
-    steps = DecodeSteps(model, max(BATCHES), CONTEXT)
+    steps = DecodeSteps(model, max_batch, CONTEXT)
+    plan_rows = plan_host_sweep(model, steps)
+    print("host time of plan (median, device idle), decode batches:")
+    _timing.print_table(list(plan_rows[0]), plan_rows)
+    if args.plan_only:
+        _timing.write_json("plan_host", {"environment": _timing.environment(device),
+                                         "rows": plan_rows})  # fmt: skip
+        return
     registry = TaskRegistry("attention", expected_tasks=config.num_layers)
     wrapper = GraphWrapper(model, backend="cuda", mode=RuntimeMode.FULL, tasks=registry)
     rows: list[dict[str, Any]] = []
@@ -235,6 +278,8 @@ def main() -> None:
         f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s; weights {model.weight_bytes() / 1e9:.2f} GB"
     )
     _timing.print_table(list(rows[0]), rows)
+    print("host time of plan (median, device idle) beside the step it feeds:")
+    _timing.print_table(list(plan_rows[0]), plan_rows)
     _timing.write_json(
         "decoder_step",
         {
@@ -244,6 +289,7 @@ def main() -> None:
             "context": CONTEXT,
             "weight_bytes": model.weight_bytes(),
             "rows": rows,
+            "plan_host_rows": plan_rows,
         },
     )
 

@@ -1,4 +1,4 @@
-"""Paged prefill attention (triton provider) vs SDPA, in TFLOP/s.
+"""Paged prefill attention (triton provider) vs SDPA's backends, in TFLOP/s.
 
 Problems (32 query / 8 KV heads, head size 128, bf16, causal):
 - ``prefill``: 8 requests x 2048 new tokens, no cached context;
@@ -7,7 +7,9 @@ Problems (32 query / 8 KV heads, head size 128, bf16, causal):
 The triton provider reads every key from a paged cache (permuted pages); SDPA
 (``enable_gqa=True``) reads contiguous ``[batch, kv_heads, seq, head_size]`` K/V.
 FLOPs count only the (query, key) pairs the causal mask keeps, 4 * head_size per
-pair and head, for both.
+pair and head, for both. Peers from the same run: SDPA with torch's own backend
+choice (``default``), and restricted to cuDNN (``cudnn``) and FlashAttention-2
+(``flash``); ``n/a`` where a backend refuses the problem.
 
     python benchmarks/bench_prefill_attention.py [--tune]
 """
@@ -47,25 +49,33 @@ class PrefillProblem:
         pairs = self.batch * causal_pairs(self.query_len, self.seq_len)
         return attention_flops(HEADS, HEAD_SIZE, pairs)
 
-    def sdpa_runner(self):
+    def sdpa_runner(self, backend: str = "default"):
+        """SDPA under ``backend`` (``_timing.SDPA_PEERS``), or ``None`` if it refuses.
+
+        K/V are read with ``enable_gqa=True``; a backend that refuses GQA (or the
+        bottom-right causal mask with it) reads K/V expanded to all query heads.
+        """
         if self.seq_len == self.query_len:
+            options = {"is_causal": True}
+        else:
+            options = {"attn_mask": causal_lower_right(self.query_len, self.seq_len)}
+        group = HEADS // KV_HEADS
+
+        def variant(gqa: bool):
+            if gqa:
+                key, value = self.key, self.value
+            else:
+                key = self.key.repeat_interleave(group, dim=1)
+                value = self.value.repeat_interleave(group, dim=1)
             return lambda: F.scaled_dot_product_attention(
-                self.query, self.key, self.value, is_causal=True, enable_gqa=True
+                self.query, key, value, enable_gqa=gqa, **options
             )
-        mask = causal_lower_right(self.query_len, self.seq_len)
-        try:
-            F.scaled_dot_product_attention(
-                self.query, self.key, self.value, attn_mask=mask, enable_gqa=True
-            )
-            key, value, gqa = self.key, self.value, True
-        except (RuntimeError, ValueError, NotImplementedError):  # no GQA with this mask
-            group = HEADS // KV_HEADS
-            key = self.key.repeat_interleave(group, dim=1)
-            value = self.value.repeat_interleave(group, dim=1)
-            gqa = False
-        return lambda: F.scaled_dot_product_attention(
-            self.query, key, value, attn_mask=mask, enable_gqa=gqa
-        )
+
+        for gqa in (True, False):
+            runner = _timing.peer_runner(backend, variant(gqa))
+            if runner is not None:
+                return runner
+        return None
 
     def paged_runner(self, provider: TritonProvider, block_size: int):
         spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE)
@@ -157,20 +167,26 @@ def main() -> None:
     rows = []
     for name, shape in PROBLEMS.items():
         problem = PrefillProblem(*shape, device)
-        sdpa_ms = _timing.median_ms(problem.sdpa_runner())
-        sdpa_tflops = problem.flops / (sdpa_ms * 1e-3) / 1e12
+        peers = {}
+        for backend in _timing.SDPA_PEERS:
+            runner = problem.sdpa_runner(backend)
+            peers[backend] = _timing.median_ms(runner) if runner is not None else None
+        best = min(ms for ms in peers.values() if ms is not None)
         for block_size in (128, 16):
             result = measure(problem, provider, block_size)
-            rows.append({
+            row = {
                 "problem": name,
                 "block": block_size,
                 "triton_ms": result["ms"],
-                "sdpa_ms": sdpa_ms,
                 "triton_TFLOP/s": result["tflops"],
-                "sdpa_TFLOP/s": sdpa_tflops,
-                "vs_sdpa": result["tflops"] / sdpa_tflops,
-                "max_err": result["max_abs_err"],
-            })  # fmt: skip
+            }
+            for backend, ms in peers.items():
+                tflops = problem.flops / (ms * 1e-3) / 1e12 if ms is not None else None
+                row[f"{backend}_TFLOP/s"] = tflops if tflops is not None else "n/a"
+                row[f"vs_{backend}"] = ms / result["ms"] if ms is not None else "n/a"
+            row["vs_best_sdpa"] = best / result["ms"]
+            row["max_err"] = result["max_abs_err"]
+            rows.append(row)
         del problem
         torch.cuda.empty_cache()
     _timing.print_table(list(rows[0]), rows)
