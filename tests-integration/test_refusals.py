@@ -18,8 +18,10 @@ def _refusal(model, tmp_path, **engine) -> str:
 
 
 def test_unsupported_head_size(tmp_path):
-    model = write_checkpoint("llama", tmp_path / "llama-head32", head_dim=32)
-    assert "head size 32" in _refusal(model, tmp_path, enforce_eager=True)
+    model = write_checkpoint("llama", tmp_path / "llama-head48", head_dim=48)
+    error = _refusal(model, tmp_path, enforce_eager=True)
+    assert "head size 48" in error and "'reference' attention provider" in error
+    assert "[32, 64, 80, 96, 112, 128, 160, 192, 224, 256]" in error
 
 
 def test_fp8_kv_cache(checkpoints, tmp_path):

@@ -27,9 +27,59 @@ def _plan(**overrides):
 # --- spec ---------------------------------------------------------------------------
 
 
-def test_unsupported_head_size() -> None:
-    with pytest.raises(ValueError, match=r"head_size must be one of .*got 100"):
-        AttentionSpec(4, 2, 100, 16)
+@pytest.mark.parametrize("head_size", [0, -64, 2048, 64.0, True])
+def test_head_size_outside_sanity_range(head_size: object) -> None:
+    with pytest.raises(ValueError, match=r"head_size must be an int in \[1, 1024\], got"):
+        AttentionSpec(4, 2, head_size, 16)
+
+
+def test_head_size_any_provider_lacks_is_a_valid_spec() -> None:
+    assert AttentionSpec(4, 2, 48, 16).head_size == 48
+
+
+@pytest.mark.parametrize("provider", ["reference", "triton", "ascend"])
+def test_supported_head_sizes_are_declared_per_provider(provider: str) -> None:
+    from npu_attention import supported_head_sizes
+    from npu_attention.providers.registry import _provider_class
+
+    sizes = supported_head_sizes(provider)
+    assert sizes == _provider_class(provider).head_sizes
+    assert 64 in sizes and 48 not in sizes
+
+
+def test_supported_head_sizes_by_device_and_refusals() -> None:
+    from npu_attention import supported_head_sizes
+
+    assert supported_head_sizes(device="cpu") == supported_head_sizes("reference")
+    with pytest.raises(ValueError, match="unknown attention provider 'nope'"):
+        supported_head_sizes("nope")
+    with pytest.raises(ValueError, match="needs a provider name or a device"):
+        supported_head_sizes()
+
+
+def test_plan_refuses_a_head_size_its_provider_does_not_take() -> None:
+    spec = AttentionSpec(4, 2, 48, 16, dtype=torch.float32)
+    message = (
+        r"attention provider 'reference' does not support head_size=48; its head sizes "
+        r"are \[32, 64, 80, 96, 112, 128, 160, 192, 224, 256\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        _plan(spec=spec, provider="reference")
+    with pytest.raises(ValueError, match=message):
+        _plan(spec=spec, device="cpu")
+
+
+def test_plan_asks_the_chosen_provider_for_its_head_sizes() -> None:
+    class WideHeads(get_provider("reference").__class__):
+        name = "wide_heads"
+        head_sizes = (48,)
+
+    register_provider("wide_heads", f"{__name__}:_WideHeads")
+    globals()["_WideHeads"] = WideHeads
+    spec = AttentionSpec(4, 2, 48, 16, dtype=torch.float32)
+    assert _plan(spec=spec, provider="wide_heads").spec.head_size == 48
+    with pytest.raises(ValueError, match=r"'wide_heads' does not support head_size=64; .*\[48\]"):
+        _plan(provider="wide_heads")
 
 
 def test_unsupported_dtype() -> None:

@@ -46,7 +46,7 @@ def test_batch_states(name, q, ctx, dec, spec_tokens, state) -> None:
     assert_cache_written(case, paged)
 
 
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 160, 192, 224, 256])
 def test_head_sizes(head_size: int) -> None:
     case = make_case(_spec(head_size=head_size), [1, 1, 6], [20, 3, 11], 2, pad_tokens=1)
     out, paged, _ = run_case(case)

@@ -203,6 +203,9 @@ SMALL_CASES = {
     "one_page_tiles": ({"block_size": 128}, [1, 20, 1], [200, 150, 0], 1),
     "one_page_tiles_decode": ({"block_size": 64}, [1, 1], [100, 3], 2),
     "head_80_mqa": ({"head_size": 80, "num_heads": 3, "num_kv_heads": 1}, [4, 1], [14, 20], 0),
+    "head_32": ({"head_size": 32}, [1, 9, 4], [21, 0, 12], 1),
+    "head_112_decode": ({"head_size": 112}, [1, 1], [37, 5], 2),
+    "head_160_prefill": ({"head_size": 160, "num_heads": 2, "num_kv_heads": 1}, [6, 3], [9, 0], 0),
 }
 
 
@@ -396,7 +399,7 @@ def test_gpu_states_match_dense_reference(state: str, dtype: torch.dtype, block_
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 160, 192, 224, 256])
 @pytest.mark.parametrize("heads", [(8, 8), (12, 4), (16, 1)])
 def test_gpu_head_sizes_and_groups(head_size: int, heads: tuple[int, int]) -> None:
     spec = AttentionSpec(heads[0], heads[1], head_size, block_size=32, dtype=torch.bfloat16)

@@ -31,7 +31,11 @@ def test_selector_accepts_a_supported_layer_and_registers_custom():
     [
         ({"use_mla": True}, "does not support MLA"),
         ({"use_sparse": True}, "sparse attention"),
-        ({"head_size": 32}, "head_size=32.*head_size not supported"),
+        (
+            {"head_size": 48},
+            r"head_size=48.*head_size not supported by the 'reference' attention provider "
+            r"\(its head sizes: \[32, 64, 80, 96, 112, 128, 160, 192, 224, 256\]\)",
+        ),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype=fp8.*kv_cache_dtype not supported"),
         ({"has_sink": True}, "attention sinks not supported"),
         ({"attn_type": "encoder_only"}, "attention type encoder_only not supported"),
@@ -92,8 +96,33 @@ def test_supported_llama_passes_the_checks(tmp_path):
 
 
 def test_unsupported_head_size_is_named(tmp_path):
-    config = _vllm_config(_write_config(tmp_path, head_dim=32))
-    with pytest.raises(ValueError, match=r"head size 32 .*supported head sizes: \[64"):
+    config = _vllm_config(_write_config(tmp_path, head_dim=48))
+    message = (
+        r"head size 48 \(model .*\) with the 'reference' attention provider; supported "
+        r"head sizes: \[32, 64, 80, 96, 112, 128, 160, 192, 224, 256\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        checks.check_model_and_options(config)
+
+
+@pytest.mark.parametrize("head_dim", [32, 112])
+def test_head_sizes_of_vllm_cpu_attention_pass_the_checks(tmp_path, head_dim):
+    checks.check_model_and_options(_vllm_config(_write_config(tmp_path, head_dim=head_dim)))
+
+
+def test_head_sizes_come_from_the_platforms_provider(tmp_path, monkeypatch):
+    from vllm.platforms import current_platform
+
+    from npu_attention.providers.ascend import AscendProvider
+    from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
+
+    monkeypatch.setattr(type(current_platform), "attention_provider", "ascend", raising=False)
+    monkeypatch.setattr(AscendProvider, "head_sizes", (128,))
+    assert NPUBridgeAttentionBackend.get_supported_head_sizes() == [128]
+    config = _vllm_config(_write_config(tmp_path, head_dim=64))
+    with pytest.raises(
+        ValueError, match=r"'ascend' attention provider; supported head sizes: \[128\]"
+    ):
         checks.check_model_and_options(config)
 
 

@@ -4,18 +4,21 @@ from npu_attention._version import __version__
 from npu_attention.buffers import PlanBuffers
 from npu_attention.plan import AttentionPlan, plan
 from npu_attention.providers.base import AttentionProvider
-from npu_attention.providers.registry import available_providers, get_provider, register_provider
+from npu_attention.providers.registry import (
+    available_providers,
+    get_provider,
+    register_provider,
+    supported_head_sizes,
+)
 from npu_attention.run import run
 from npu_attention.spec import (
     SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_SIZES,
     AttentionSpec,
     BatchState,
 )
 
 __all__ = [
     "SUPPORTED_DTYPES",
-    "SUPPORTED_HEAD_SIZES",
     "AttentionPlan",
     "AttentionProvider",
     "AttentionSpec",
@@ -27,4 +30,5 @@ __all__ = [
     "plan",
     "register_provider",
     "run",
+    "supported_head_sizes",
 ]

@@ -127,7 +127,8 @@ def plan(
         TypeError: non-integer metadata or a ``spec`` that is not an ``AttentionSpec``.
         ValueError: inconsistent lengths or offsets, a sequence longer than its
             block table, out-of-range block ids or slots, a device that is not
-            available, an unknown provider or one that does not run on ``device``,
+            available, an unknown provider or one that does not run on ``device``
+            or does not take ``spec`` (e.g. its head size),
             or a batch larger than ``buffers``.
     """
     if not isinstance(spec, AttentionSpec):
@@ -137,6 +138,7 @@ def plan(
     tables, slots = _tables_and_slots(block_tables, slot_mapping, host, spec, num_blocks)
     device = _inputs.resolve_device(device, tables)
     chosen = get_provider(provider, device)
+    chosen.check_spec(spec)
     if buffers is None:
         tensors = _to_device(host, tables, slots, device)
     else:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 192, 256)
+MAX_HEAD_SIZE = 1024  # sanity bound; each provider declares the sizes it takes
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 128
@@ -40,7 +40,8 @@ class AttentionSpec:
     Attributes:
         num_heads: query heads.
         num_kv_heads: key/value heads; ``num_heads % num_kv_heads == 0`` (MHA, GQA, MQA).
-        head_size: one of ``SUPPORTED_HEAD_SIZES``.
+        head_size: a positive int up to ``MAX_HEAD_SIZE``; which sizes run depends on
+            the provider (``npu_attention.supported_head_sizes``), checked by ``plan``.
         block_size: tokens per KV-cache page, 16 to 128.
         dtype: dtype of query, key, value, caches and output.
         causal: causal (decoder) or full (encoder) attention.
@@ -74,9 +75,13 @@ class AttentionSpec:
                 f"num_heads must be a multiple of num_kv_heads, got "
                 f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
             )
-        if self.head_size not in SUPPORTED_HEAD_SIZES:
+        if (
+            not isinstance(self.head_size, int)
+            or isinstance(self.head_size, bool)
+            or not 1 <= self.head_size <= MAX_HEAD_SIZE
+        ):
             raise ValueError(
-                f"head_size must be one of {SUPPORTED_HEAD_SIZES}, got {self.head_size}"
+                f"head_size must be an int in [1, {MAX_HEAD_SIZE}], got {self.head_size!r}"
             )
         if self.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype}")

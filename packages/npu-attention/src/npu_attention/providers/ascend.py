@@ -37,6 +37,13 @@ multiples of 128 only), more than 256 heads or more than 64 query heads per KV
 head (the fused op's limits) and a sliding window on non-causal attention. ``float32``
 is refused with ``TypeError`` (the fused op takes float16 / bfloat16).
 
+Head sizes: ``ASCEND_HEAD_SIZES`` (see the comment there for what the documentation
+states); ``plan`` refuses others. Known gap: the same documentation's section on
+``TND`` layouts says that without ``query_rope`` a ``TND`` call takes only D = 192
+(bfloat16, no page attention), which contradicts the paged ``TND`` calls that
+other Ascend backends make at other head sizes; which reading holds is
+unverified until run on hardware.
+
 Known gap in the documentation: for single-token queries the op documents
 ``pre_tokens`` as inert (incremental branch); whether a ``TND`` call whose requests
 all have one query token takes that branch is not documented, so sliding-window
@@ -71,6 +78,17 @@ MAX_TOKENS = 2147483647  # the ops' default for pre_tokens / next_tokens
 ASCEND_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEADS = 256  # fused attention: N <= 256
 MAX_QUERIES_PER_KV = 64  # fused attention: num_heads / num_key_value_heads <= 64
+# Head sizes (D). torch_npu's documentation of npu_fused_infer_attention_score
+# (op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md) states: with
+# more than one query token (PromptFlashAttention branch) D <= 512 and, for float16 /
+# bfloat16 inputs, D a multiple of 16 (a D that is not 32-byte aligned only up to
+# 128); with one query token (IncreFlashAttention branch) D <= 512. The no-cache op,
+# npu_fusion_attention, documents D as a multiple of 16 up to 512. We take the sizes
+# vLLM's models use that meet all of these (every one is a multiple of 16, <= 256)
+# and nothing larger: none of them has run on hardware (see the module doc).
+ASCEND_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# Paged KV as (blocknum, blocksize, H): the op refuses KV_N * D > 65535.
+MAX_KV_HIDDEN = 65535
 
 
 def torch_npu_module() -> ModuleType:
@@ -109,6 +127,7 @@ class AscendProvider(AttentionProvider):
 
     name: ClassVar[str] = "ascend"
     device_types: ClassVar[tuple[str, ...]] = ("npu",)
+    head_sizes: ClassVar[tuple[int, ...]] = ASCEND_HEAD_SIZES
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
@@ -306,6 +325,12 @@ def check_spec(spec: AttentionSpec) -> None:
             f"the ascend provider needs num_heads <= {MAX_HEADS} and num_heads / num_kv_heads "
             f"<= {MAX_QUERIES_PER_KV} (fused attention limits), got num_heads={spec.num_heads}, "
             f"num_kv_heads={spec.num_kv_heads}"
+        )
+    if spec.num_kv_heads * spec.head_size > MAX_KV_HIDDEN:
+        raise ValueError(
+            f"the ascend provider reads caches as (blocks, block_size, kv_heads * head_size) "
+            f"and the fused op takes kv_heads * head_size <= {MAX_KV_HIDDEN}, got "
+            f"num_kv_heads={spec.num_kv_heads}, head_size={spec.head_size}"
         )
     if spec.sliding_window is not None and not spec.causal:
         raise ValueError(

@@ -9,6 +9,10 @@ import torch
 
 if TYPE_CHECKING:
     from npu_attention.plan import AttentionPlan
+    from npu_attention.spec import AttentionSpec
+
+# The head sizes vLLM's CPU attention backend (CPU_ATTN) accepts.
+VLLM_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
 class AttentionProvider(ABC):
@@ -22,6 +26,8 @@ class AttentionProvider(ABC):
 
     name: ClassVar[str]
     device_types: ClassVar[tuple[str, ...]]
+    # Head sizes the provider's kernels take; ``plan`` refuses any other.
+    head_sizes: ClassVar[tuple[int, ...]] = VLLM_HEAD_SIZES
 
     @classmethod
     def is_available(cls) -> bool:
@@ -30,6 +36,18 @@ class AttentionProvider(ABC):
 
     def supports_device(self, device: torch.device) -> bool:
         return device.type in self.device_types
+
+    def check_spec(self, spec: AttentionSpec) -> None:
+        """Refuse a spec the provider cannot run (called by ``plan`` before any work).
+
+        Raises:
+            ValueError: a head size not in ``head_sizes``, naming the provider and its sizes.
+        """
+        if spec.head_size not in self.head_sizes:
+            raise ValueError(
+                f"attention provider {self.name!r} does not support head_size="
+                f"{spec.head_size}; its head sizes are {list(self.head_sizes)}"
+            )
 
     def prepare(self, plan: AttentionPlan) -> Any:
         """Build provider-specific step metadata; stored as ``plan.provider_data``."""

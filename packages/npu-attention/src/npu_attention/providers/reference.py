@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
-from npu_attention.providers.base import AttentionProvider
+from npu_attention.providers.base import VLLM_HEAD_SIZES, AttentionProvider
 
 if TYPE_CHECKING:
     from npu_attention.plan import AttentionPlan, HostArrays
@@ -78,6 +78,7 @@ class ReferenceProvider(AttentionProvider):
 
     name: ClassVar[str] = "reference"
     device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    head_sizes: ClassVar[tuple[int, ...]] = VLLM_HEAD_SIZES  # plain PyTorch: any size works
 
     def prepare(self, plan: AttentionPlan) -> ReferenceData:
         host = plan.host_arrays

@@ -36,6 +36,25 @@ def available_providers() -> tuple[str, ...]:
     return tuple(_LAZY_PROVIDERS)
 
 
+def supported_head_sizes(
+    name: str | None = None, device: torch.device | str | None = None
+) -> tuple[int, ...]:
+    """Head sizes the provider called ``name`` (or the preferred one for ``device``)
+    accepts, e.g. ``supported_head_sizes("reference")``.
+
+    Naming a provider needs only its class, not its optional dependency (triton,
+    torch_npu), so a host can ask what the NPU provider takes.
+
+    Raises:
+        ValueError: unknown name, neither name nor device, or no provider for the device.
+    """
+    if name is None:
+        if device is None:
+            raise ValueError("supported_head_sizes needs a provider name or a device, got neither")
+        return tuple(_provider_for_device(torch.device(device)).head_sizes)
+    return tuple(_provider_class(name).head_sizes)
+
+
 def get_provider(
     name: str | None = None, device: torch.device | str | None = None
 ) -> AttentionProvider:

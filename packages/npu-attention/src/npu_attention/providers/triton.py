@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from npu_attention.providers.base import AttentionProvider
+from npu_attention.providers.base import VLLM_HEAD_SIZES, AttentionProvider
 from npu_attention.spec import AttentionSpec, BatchState
 
 if TYPE_CHECKING:
@@ -52,6 +52,9 @@ class TritonProvider(AttentionProvider):
 
     name: ClassVar[str] = "triton"
     device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    # The kernels pad the head dimension to the next power of two (HEAD_PAD) and mask
+    # the padding lanes on every load and store, so non-power-of-two sizes run too.
+    head_sizes: ClassVar[tuple[int, ...]] = VLLM_HEAD_SIZES
 
     def __init__(self) -> None:
         self.min_tokens_per_split = 128

@@ -10,7 +10,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 import npu_attention
-from npu_vllm_bridge.platforms.checks import KERNEL_BLOCK_SIZES
+from npu_vllm_bridge.platforms.checks import KERNEL_BLOCK_SIZES, attention_head_sizes
 
 if TYPE_CHECKING:
     from vllm.config.cache import CacheDType
@@ -57,7 +57,8 @@ class NPUBridgeAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(npu_attention.SUPPORTED_HEAD_SIZES)
+        # The head sizes of the npu-attention provider the current platform uses.
+        return list(attention_head_sizes()[1])
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:

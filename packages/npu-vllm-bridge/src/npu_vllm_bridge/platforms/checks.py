@@ -46,16 +46,31 @@ def _check_model(model_config) -> None:
     if model_config.is_encoder_decoder:
         raise ValueError(f"{PREFIX} does not support encoder-decoder models such as {name}")
     head_size = model_config.get_head_size()
-    if head_size not in npu_attention.SUPPORTED_HEAD_SIZES:
+    provider, head_sizes = attention_head_sizes()
+    if head_size not in head_sizes:
         raise ValueError(
-            f"{PREFIX} does not support head size {head_size} (model {name}); supported "
-            f"head sizes: {list(npu_attention.SUPPORTED_HEAD_SIZES)}"
+            f"{PREFIX} does not support head size {head_size} (model {name}) with the "
+            f"{provider!r} attention provider; supported head sizes: {list(head_sizes)}"
         )
     if model_config.dtype not in npu_attention.SUPPORTED_DTYPES:
         raise ValueError(
             f"{PREFIX} does not support dtype {model_config.dtype}; use one of "
             f"{[str(d) for d in npu_attention.SUPPORTED_DTYPES]}"
         )
+
+
+def attention_head_sizes() -> tuple[str, tuple[int, ...]]:
+    """The npu-attention provider the current platform will use (its
+    ``attention_provider``, or ``None`` to choose by the platform's device type),
+    and the head sizes that provider accepts."""
+    from vllm.platforms import current_platform
+
+    name = getattr(current_platform, "attention_provider", None)
+    if name is not None:
+        return name, npu_attention.supported_head_sizes(name)
+    device_type = current_platform.device_type
+    provider = npu_attention.get_provider(device=device_type)
+    return provider.name, npu_attention.supported_head_sizes(provider.name)
 
 
 def _check_cache(vllm_config: VllmConfig) -> None:
@@ -120,6 +135,12 @@ def backend_for_selector(selector: AttentionSelectorConfig) -> str:
         use_dcp=selector.use_dcp,
         use_rswa=selector.use_rswa,
     )
+    if "head_size not supported" in reasons:
+        provider, head_sizes = attention_head_sizes()
+        reasons[reasons.index("head_size not supported")] = (
+            f"head_size not supported by the {provider!r} attention provider "
+            f"(its head sizes: {list(head_sizes)})"
+        )
     if reasons:
         raise ValueError(
             f"{PREFIX} attention cannot serve this layer (head_size={selector.head_size}, "
