@@ -23,8 +23,8 @@ from typing import Any
 
 import _timing  # first: puts the packages' src on sys.path
 import torch
+import torch.nn.functional as F
 from _paged_batch import hand_plan, page_kv, permuted_block_tables
-from _sdpa_peers import peer_calls
 
 from npu_attention.providers.triton import TritonProvider
 from npu_attention.spec import AttentionSpec
@@ -50,14 +50,10 @@ class DecodeProblem:
     def kv_bytes(self) -> int:
         return 2 * self.key.numel() * self.key.element_size()
 
-    def peers(self) -> dict[str, Any]:
-        """SDPA backends on ``[batch, heads, 1, d]`` queries (``_sdpa_peers.peer_calls``)."""
-        return peer_calls(self.query.unsqueeze(2), self.key, self.value)
-
-    def expected(self) -> torch.Tensor:
-        """float32 ``[batch, heads, d]`` from torch's default SDPA."""
-        _, call = self.peers()["sdpa"]
-        return call().squeeze(2).float()
+    def sdpa(self) -> torch.Tensor:
+        q = self.query.unsqueeze(2)  # [batch, heads, 1, d]
+        out = F.scaled_dot_product_attention(q, self.key, self.value, enable_gqa=True)
+        return out.squeeze(2)
 
     def sdpa_packed(self) -> torch.Tensor:
         """The query heads of each KV head as a 4-row query (no GQA support needed)."""
@@ -102,7 +98,7 @@ def measure(
     expected: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     run, plan = problem.paged_runner(provider, block_size)
-    expected = problem.expected() if expected is None else expected
+    expected = problem.sdpa().float() if expected is None else expected
     error = (run().float() - expected).abs().max().item()
     ms = _timing.graph_median_ms(run)
     return {"ms": ms, "max_abs_err_vs_sdpa": error, "kv_splits": plan.provider_data.num_kv_splits}
@@ -158,7 +154,12 @@ def profile_kernels(device: torch.device) -> None:
     """Device time of each kernel of batch 1 x 4096 (block 128), triton and its peers."""
     problem = DecodeProblem(1, 4096, device)
     run, _ = problem.paged_runner(TritonProvider(), 128)
-    calls = [("triton", run)] + [peer for peer in problem.peers().values() if peer]
+    calls = [("triton", run)]
+    for backend in _timing.SDPA_PEERS:
+        for label, fn in (("", problem.sdpa), ("_packed", problem.sdpa_packed)):
+            runner = _timing.peer_runner(backend, fn)
+            if runner is not None:
+                calls.append((backend + label, runner))
     for name, fn in calls:
         fn()
         torch.cuda.synchronize()
@@ -193,40 +194,39 @@ def main() -> None:
         provider.min_tokens_per_split = tuning["min_tokens_per_split"]
         provider.target_waves = tuning["target_waves"]
     rows = []
-    peer_labels: dict[str, str] = {}
     for batch, context in itertools.product(BATCHES, CONTEXTS):
         if args.quick and (batch > 64 or context > 4096):
             continue
         problem = DecodeProblem(batch, context, device)
-        expected = problem.expected()
+        expected = problem.sdpa().float()
         peer_us = {}
-        for name, peer in problem.peers().items():
-            peer_us[name] = _timing.graph_median_ms(peer[1]) * 1e3 if peer else None
-            if peer:
-                peer_labels[name] = peer[0]
+        for backend in _timing.SDPA_PEERS:
+            ms = problem.peer_ms(backend)
+            peer_us[backend] = ms * 1e3 if ms is not None else None
         best_peer_us = min(us for us in peer_us.values() if us is not None)
         for block_size in BLOCK_SIZES:
             result = measure(problem, provider, block_size, expected)
             us = result["ms"] * 1e3
             gbps = problem.kv_bytes / (us * 1e-6) / 1e9
-            rows.append({
+            row = {
                 "batch": batch,
                 "context": context,
                 "block": block_size,
                 "splits": result["kv_splits"],
                 "triton_us": us,
-                **{f"{name}_us": value for name, value in peer_us.items()},
-                "vs_sdpa": peer_us["sdpa"] / us,
-                "vs_best_peer": best_peer_us / us,
-                "triton_GB/s": gbps,
-                "bw_vs_copy": gbps * 1e9 / copy_bw,
-                "max_err": result["max_abs_err_vs_sdpa"],
-            })  # fmt: skip
+            }
+            for backend, value in peer_us.items():
+                row[f"{backend}_us"] = value if value is not None else "n/a"
+            row["vs_default"] = peer_us["default"] / us if peer_us["default"] else "n/a"
+            row["vs_best_sdpa"] = best_peer_us / us
+            row["triton_GB/s"] = gbps
+            row["bw_vs_copy"] = gbps * 1e9 / copy_bw
+            row["max_err"] = result["max_abs_err_vs_sdpa"]
+            rows.append(row)
         del problem
         torch.cuda.empty_cache()
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
     print(f"graph of one tiny kernel: {floor_ms * 1e3:.1f} us (floor under every time below)")
-    print("peers: " + ", ".join(f"{name} = {label}" for name, label in peer_labels.items()))
     _timing.print_table(list(rows[0]), rows)
     _timing.write_json(
         "decode_attention",
@@ -240,7 +240,6 @@ def main() -> None:
                 "target_waves": provider.target_waves,
             },
             "tuning": tuning,
-            "peers": peer_labels,
             "rows": rows,
         },
     )
