@@ -8,6 +8,7 @@ import torch
 
 from npu_attention import AttentionSpec, PlanBuffers, get_provider, plan, run
 from npu_attention.providers.base import AttentionProvider
+from npu_attention.providers.reference import ReferenceProvider
 from npu_attention.providers.registry import register_provider
 
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32)
@@ -69,17 +70,21 @@ def test_plan_refuses_a_head_size_its_provider_does_not_take() -> None:
         _plan(spec=spec, device="cpu")
 
 
-def test_plan_asks_the_chosen_provider_for_its_head_sizes() -> None:
-    class WideHeads(get_provider("reference").__class__):
-        name = "wide_heads"
-        head_sizes = (48,)
+class _Head48Provider(ReferenceProvider):
+    name = "head_48"
+    head_sizes = (48,)
 
-    register_provider("wide_heads", f"{__name__}:_WideHeads")
-    globals()["_WideHeads"] = WideHeads
+
+def test_plan_asks_the_chosen_provider_for_its_head_sizes(monkeypatch) -> None:
+    from npu_attention.providers import registry
+
+    monkeypatch.setattr(registry, "_LAZY_PROVIDERS", dict(registry._LAZY_PROVIDERS))
+    monkeypatch.setattr(registry, "_INSTANCES", dict(registry._INSTANCES))
+    register_provider("head_48", f"{__name__}:_Head48Provider")
     spec = AttentionSpec(4, 2, 48, 16, dtype=torch.float32)
-    assert _plan(spec=spec, provider="wide_heads").spec.head_size == 48
-    with pytest.raises(ValueError, match=r"'wide_heads' does not support head_size=64; .*\[48\]"):
-        _plan(provider="wide_heads")
+    assert _plan(spec=spec, provider="head_48").spec.head_size == 48
+    with pytest.raises(ValueError, match=r"'head_48' does not support head_size=64; .*\[48\]"):
+        _plan(provider="head_48")
 
 
 def test_unsupported_dtype() -> None:
