@@ -234,7 +234,8 @@ def test_split_kv_cache_rejects_wrong_shape():
 def test_backend_class_declarations():
     backend = NPUBridgeAttentionBackend
     assert backend.get_name() == "CUSTOM"
-    assert backend.supports_head_size(128) and not backend.supports_head_size(32)
+    assert backend.supports_head_size(32) and backend.supports_head_size(112)
+    assert not backend.supports_head_size(48)
     assert backend.supports_dtype(torch.float32) and backend.supports_dtype(torch.bfloat16)
     assert not backend.supports_kv_cache_dtype("fp8")
     assert backend.supports_block_size(128) and not backend.supports_block_size(8)
