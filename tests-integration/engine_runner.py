@@ -10,7 +10,8 @@ SPEC: {"model": path, "engine": {LLM kwargs}, "rounds": [[{"prompt": [ids],
 "max_tokens": n, "stop_token_ids": [ids] (optional: without it, exactly max_tokens
 tokens)}, ...], ...], "host_platform": {HostPlatform attribute: value}}. Each round is one ``generate`` call; later rounds
 reuse the prefix cache of earlier ones. Output line: ``RESULT {"tokens": [[...]
-per round], "cached_tokens": [[prefix-cache hits per prompt] per round], "counters": {...}, "states": {...}, "backend": name}`` or
+per round], "cached_tokens": [[prefix-cache hits per prompt] per round], "counters": {...}, "states": {...}, "backend": name}``
+(with several ranks also ``"rank_counters"``: each worker's counters and OpenMP binding) or
 ``RESULT {"error": "Type: message"}`` when the engine refuses to start.
 """
 
@@ -34,6 +35,21 @@ def _record_plan_states(states: Counter) -> None:
         return result
 
     npu_attention.plan = recording_plan
+
+
+def _bridge_counters(worker=None) -> dict:
+    """This process's bridge graph counters and vLLM's capture count (a worker's, when
+    called through ``collective_rpc``)."""
+    from vllm.compilation.counter import compilation_counter
+
+    from npu_vllm_bridge.graphs.counters import graph_counters
+
+    return {
+        "counters": graph_counters().as_dict(),
+        "vllm_cudagraph_captured": compilation_counter.num_cudagraph_captured,
+        # The OpenMP binding vLLM gave this process (set only in CPU worker processes).
+        "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "GOMP_"))},
+    }
 
 
 def main() -> None:
@@ -71,21 +87,17 @@ def main() -> None:
         tokens.append([list(o.outputs[0].token_ids) for o in outputs])
         cached.append([o.num_cached_tokens or 0 for o in outputs])
     result = {"tokens": tokens, "cached_tokens": cached, "states": dict(states)}
+    result["omp_threads_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     result["num_layers"] = layers
     if bridge:
-        from vllm.compilation.counter import compilation_counter
-        from vllm.platforms import current_platform
+        result.update(_bridge_counters())
+        if llm.llm_engine.vllm_config.parallel_config.world_size > 1:
+            # Workers run in their own processes: each rank's counters.
+            result["rank_counters"] = llm.collective_rpc(_bridge_counters)
+    from vllm.platforms import current_platform
 
-        from npu_vllm_bridge.graphs.counters import graph_counters
-
-        result["counters"] = graph_counters().as_dict()
-        result["vllm_cudagraph_captured"] = compilation_counter.num_cudagraph_captured
-        result["platform"] = type(current_platform).__name__
-    else:
-        from vllm.platforms import current_platform
-
-        result["platform"] = type(current_platform).__name__
+    result["platform"] = type(current_platform).__name__
     print("RESULT " + json.dumps(result), flush=True)
 
 

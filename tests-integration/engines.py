@@ -39,11 +39,13 @@ def run_engine(
     bridge: bool,
     tmp_path: Path,
     host_platform: dict | None = None,
+    unset_env: tuple[str, ...] = (),
     **engine,
 ) -> dict:
     """Run ``rounds`` of generation in a fresh process; the bridge's host platform if
     ``bridge``, else vLLM's own CPU platform (CPU_ATTN); ``host_platform`` overrides
-    attributes of the bridge's host platform. Returns the runner's JSON."""
+    attributes of the bridge's host platform; ``unset_env`` names variables removed
+    from the engine's environment. Returns the runner's JSON."""
     spec = {
         "model": str(model),
         "engine": {**ENGINE, **engine},
@@ -53,7 +55,8 @@ def run_engine(
     spec_path = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.pop("NPU_BRIDGE_DEVICE", None)
+    for name in ("NPU_BRIDGE_DEVICE", *unset_env):
+        env.pop(name, None)
     if bridge:
         env["NPU_BRIDGE_DEVICE"] = "cpu"
     proc = subprocess.run(

@@ -13,6 +13,7 @@ split at attention) with the ``eager`` backend, and otherwise turns compilation 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 HOST_WORKER = "npu_vllm_bridge.worker.host.HostWorker"
+OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 class HostPlatform(BridgePlatformMixin, CpuPlatform):
@@ -52,6 +54,47 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = HOST_WORKER
+        _default_omp_threads_bind(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+
+
+def omp_threads_bind(cpus: list[int], ranks: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``ranks`` workers its own
+    contiguous share of ``cpus`` (ranks separated by ``|``, e.g. ``"0|1"`` or
+    ``"0-3|4-7"``); with fewer CPUs than ranks, ranks share CPUs round robin."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, got {ranks}")
+    if not cpus:
+        raise ValueError("cpus is empty: no CPU to bind worker threads to")
+    cpus = sorted(cpus)
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[rank % len(cpus)]) for rank in range(ranks))
+    share, extra = divmod(len(cpus), ranks)
+    groups, start = [], 0
+    for rank in range(ranks):
+        end = start + share + (rank < extra)
+        groups.append(",".join(str(cpu) for cpu in cpus[start:end]))
+        start = end
+    return "|".join(groups)
+
+
+def _default_omp_threads_bind(ranks: int) -> None:
+    """Bind each CPU worker's OpenMP threads to its own cores when the user has not
+    chosen (``VLLM_CPU_OMP_THREADS_BIND`` unset) and vLLM's ``auto`` binding, one NUMA
+    node per rank, cannot apply. Set in this process's environment, which the engine
+    core and its worker processes inherit; vLLM reads it when it starts the workers."""
+    if ranks <= 1 or OMP_THREADS_BIND in os.environ:
+        return
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    if len(get_visible_memory_node()) >= ranks:
+        return
+    os.environ[OMP_THREADS_BIND] = omp_threads_bind(sorted(os.sched_getaffinity(0)), ranks)
+    logger.info(
+        "npu-vllm-bridge host mode: %s=%s (%d ranks, fewer NUMA nodes than ranks)",
+        OMP_THREADS_BIND,
+        os.environ[OMP_THREADS_BIND],
+        ranks,
+    )
 
 
 def _host_graph_compilation(compilation, requested_mode) -> None:
