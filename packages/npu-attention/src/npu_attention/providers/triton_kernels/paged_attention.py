@@ -19,6 +19,7 @@ each K/V tile is loaded once for all of them. Query token ``t`` of a request wit
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,10 @@ class AttentionLaunchConfig:
     per loop step; ``num_splits > 1`` splits each decode request's keys over that
     many programs (decode tiles only). ``pack_gqa``: a program's rows are tokens times
     the query heads of one KV head (always for decode tiles); otherwise tokens of
-    one query head.
+    one query head. ``tma``: load K/V tiles that lie in one page through tensor
+    descriptors (the copy engine of Hopper and later GPUs; ignored where
+    ``tma_supported`` says no). ``warp_specialize``: ask the compiler to give the
+    loads of the unmasked key loop their own warps (Hopper and later).
     """
 
     block_m: int
@@ -47,19 +51,34 @@ class AttentionLaunchConfig:
     num_stages: int
     num_splits: int = 1
     pack_gqa: bool = True
+    tma: bool = False
+    warp_specialize: bool = False
 
 
 @triton.jit
-def _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q: tl.constexpr):
-    """Largest request ``r`` with ``cu_seqlens_q[r] // BLOCK_Q + r <= tile_slot``."""
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], 0, tl.int32) + num_reqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(start <= tile_slot, mid, lo)
-        hi = tl.where(start <= tile_slot, hi, mid - 1)
-    return lo
+def _find_request(
+    cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q: tl.constexpr, REQS_PAD: tl.constexpr
+):
+    """Largest request ``r`` with ``cu_seqlens_q[r] // BLOCK_Q + r <= tile_slot``.
+
+    ``REQS_PAD >= num_reqs``: one vector load of the offsets and a count (one trip to
+    memory); ``REQS_PAD == 0``: a binary search (a trip per halving).
+    """
+    if REQS_PAD > 0:
+        offs = tl.arange(0, REQS_PAD)
+        in_batch = offs < num_reqs
+        starts = tl.load(cu_seqlens_q_ptr + offs, mask=in_batch, other=0) // BLOCK_Q + offs
+        found = tl.sum(((starts <= tile_slot) & in_batch).to(tl.int32), 0) - 1
+    else:
+        lo = tl.full([], 0, tl.int32)
+        hi = tl.full([], 0, tl.int32) + num_reqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+            lo = tl.where(start <= tile_slot, mid, lo)
+            hi = tl.where(start <= tile_slot, hi, mid - 1)
+        found = lo
+    return found
 
 
 @triton.jit
@@ -91,6 +110,9 @@ def _attend_keys(
     qk_scale,
     soft_cap,
     window,
+    k_desc,
+    v_desc,
+    kv_head,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -102,6 +124,8 @@ def _attend_keys(
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Online-softmax update over keys ``[key_positions_start, key_positions_end)``.
 
@@ -109,18 +133,27 @@ def _attend_keys(
     row (loads then carry no key mask, and no head mask when ``HEAD_SIZE`` is a
     power of two); otherwise keys ``>= valid_end`` and the causal / window masks
     apply. ``m_i`` is kept in log2 units: ``scores * qk_scale`` (``qk_scale``
-    includes log2(e)).
+    includes log2(e)). ``TMA`` (page tiles only): unmasked tiles come through the
+    tensor descriptors ``k_desc``/``v_desc`` of the caches, boxes
+    ``[1, BLOCK_N, 1, HEAD_PAD]`` at ``(block, row in page, kv_head, 0)``; masked
+    tiles keep the pointer loads, which zero the keys past ``valid_end``.
     """
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
     LOAD_MASKS: tl.constexpr = MASKED or HEAD_SIZE != HEAD_PAD
-    for start_n in range(key_positions_start, key_positions_end, BLOCK_N):
+    DESCRIPTORS: tl.constexpr = TMA and PAGE_TILES and not MASKED
+    for start_n in tl.range(
+        key_positions_start, key_positions_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE
+    ):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:  # noqa: SIM108 (a constexpr branch, not a value choice)
             n_mask = offs_n < valid_end
         else:
             n_mask = offs_n >= 0
-        if PAGE_TILES:  # each tile lies in one page
+        if DESCRIPTORS:
+            block = tl.load(block_table_row + start_n // BLOCK_SIZE)
+            in_page = start_n % BLOCK_SIZE
+        elif PAGE_TILES:  # each tile lies in one page
             block = tl.load(block_table_row + start_n // BLOCK_SIZE).to(tl.int64)
             in_page = start_n % BLOCK_SIZE + tl.arange(0, BLOCK_N)
             k_rows = block * stride_kb + in_page * stride_kt
@@ -137,11 +170,14 @@ def _attend_keys(
             tokens = (kv_token_base + offs_n).to(tl.int64)
             k_rows = tokens * stride_kt
             v_rows = tokens * stride_vt
-        k_ptrs = k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd
-        if LOAD_MASKS:
-            k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if DESCRIPTORS:
+            k = k_desc.load([block, in_page, kv_head, 0]).reshape(BLOCK_N, HEAD_PAD).T
         else:
-            k = tl.load(k_ptrs)
+            k_ptrs = k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd
+            if LOAD_MASKS:
+                k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION)
         if USE_SOFT_CAP:  # from here on, scores are in log2 units
             scores = _softcap(scores * qk_scale, soft_cap) * 1.4426950408889634
@@ -165,11 +201,14 @@ def _attend_keys(
         p = tl.exp2(scores * score_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
-        if LOAD_MASKS:
-            v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if DESCRIPTORS:
+            v = v_desc.load([block, in_page, kv_head, 0]).reshape(BLOCK_N, HEAD_PAD)
         else:
-            v = tl.load(v_ptrs)
+            v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
+            if LOAD_MASKS:
+                v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -205,6 +244,8 @@ def _paged_attention_kernel(
     qk_scale,
     soft_cap,
     window,
+    k_desc,
+    v_desc,
     NUM_HEADS: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
     ROWS_PER_TOKEN: tl.constexpr,
@@ -222,6 +263,9 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    REQS_PAD: tl.constexpr,
+    TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     head_group = tl.program_id(1)  # ROWS_PER_TOKEN query heads of one KV head
     kv_head = head_group // (QUERIES_PER_KV // ROWS_PER_TOKEN)
@@ -233,13 +277,15 @@ def _paged_attention_kernel(
     else:
         # Last tiles of a request see the most keys: start them first.
         tile_slot = tl.num_programs(0) - 1 - tl.program_id(0)
-        req = _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q)
+        req = _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q, REQS_PAD)
         q_tile = tile_slot - (tl.load(cu_seqlens_q_ptr + req) // BLOCK_Q + req)
+    # Issue the three metadata loads together (each is a trip to device memory).
     q_start = tl.load(cu_seqlens_q_ptr + req)
-    q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    q_end = tl.load(cu_seqlens_q_ptr + req + 1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_len = q_end - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -289,16 +335,16 @@ def _paged_attention_kernel(
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window,
+        qk_scale, soft_cap, window, k_desc, v_desc, kv_head,
         HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, False,
-        CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
+        CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, TMA, WARP_SPECIALIZE,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window,
+        qk_scale, soft_cap, window, k_desc, v_desc, kv_head,
         HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, True,
-        CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
+        CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, TMA, False,
     )  # fmt: skip
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -414,6 +460,11 @@ def paged_attention(
         grid = (num_reqs, head_groups, num_splits)
     else:
         grid = (num_tokens // block_q + num_reqs, head_groups, 1)
+    page_tiles = paged and block_size % config.block_n == 0
+    k_desc = v_desc = None
+    if config.tma and page_tiles and tma_supported(key_cache) and tma_supported(value_cache):
+        k_desc = _page_tile_descriptor(key_cache, config.block_n, head_pad)
+        v_desc = _page_tile_descriptor(value_cache, config.block_n, head_pad)
     split = num_splits > 1
     if split:
         partial_out = torch.empty(
@@ -447,6 +498,8 @@ def paged_attention(
         qk_scale,
         float(logits_soft_cap or 1.0),
         int(sliding_window or 0),
+        k_desc,
+        v_desc,
         NUM_HEADS=num_heads,
         QUERIES_PER_KV=queries_per_kv,
         ROWS_PER_TOKEN=rows_per_token,
@@ -459,11 +512,14 @@ def paged_attention(
         DECODE_TILES=decode_tiles,
         SPLIT=split,
         PAGED=paged,
-        PAGE_TILES=paged and block_size % config.block_n == 0,
+        PAGE_TILES=page_tiles,
         CAUSAL=causal,
         USE_WINDOW=sliding_window is not None,
         USE_SOFT_CAP=use_soft_cap,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        REQS_PAD=0 if decode_tiles else _request_lookup_width(num_reqs),
+        TMA=k_desc is not None,
+        WARP_SPECIALIZE=config.warp_specialize,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -482,3 +538,43 @@ def paged_attention(
             SPLITS_PAD=next_power_of_2(num_splits),
             num_warps=4,
         )
+
+
+def tma_supported(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` ``[num_blocks, block_size, kv_heads, head_size]`` can be read
+    through a tensor descriptor: a 16-bit dtype on a CUDA GPU of compute capability 9
+    or later, contiguous rows, 16-byte aligned base and strides."""
+    if cache.device.type != "cuda" or cache.element_size() != 2 or cache.dim() != 4:
+        return False
+    if _compute_capability(cache.device.index or 0)[0] < 9:
+        return False
+    strides = cache.stride()
+    return (
+        strides[-1] == 1
+        and cache.data_ptr() % 16 == 0
+        and all(stride * 2 % 16 == 0 for stride in strides[:-1])
+    )
+
+
+def _page_tile_descriptor(cache: torch.Tensor, block_n: int, head_pad: int):
+    """Descriptor of ``cache`` whose boxes are one page tile of one KV head:
+    ``[1, block_n, 1, head_pad]`` (lanes past ``head_size`` read as zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(
+        cache, list(cache.shape), list(cache.stride()), [1, block_n, 1, head_pad]
+    )
+
+
+def _request_lookup_width(num_reqs: int) -> int:
+    """``REQS_PAD`` of the varlen request lookup: a vector of 64 or 512 offsets, or 0
+    (binary search) for larger batches. Two widths keep the compiled variants few."""
+    for width in (64, 512):
+        if num_reqs <= width:
+            return width
+    return 0
+
+
+@functools.lru_cache(maxsize=16)
+def _compute_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
