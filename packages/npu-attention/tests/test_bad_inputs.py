@@ -145,7 +145,7 @@ def test_plan_rejects(overrides: dict, message: str) -> None:
         (dict(block_tables=torch.ones(2, 2)), r"block_tables must hold integers, got dtype torch.float32"),
         (dict(slot_mapping=np.ones(4, dtype=bool)), r"slot_mapping must hold integers, got dtype bool"),
         (dict(num_decodes=1.0), r"num_decodes must be an int, got float"),
-        (dict(spec="spec"), r"spec must be an AttentionSpec, got str"),
+        (dict(spec="spec"), r"spec must be an AttentionSpec or an MLASpec, got str"),
     ],
 )  # fmt: skip
 def test_plan_rejects_types(overrides: dict, message: str) -> None:

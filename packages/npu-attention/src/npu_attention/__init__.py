@@ -2,6 +2,13 @@
 
 from npu_attention._version import __version__
 from npu_attention.buffers import PlanBuffers
+from npu_attention.mla import (
+    LatentCache,
+    MLASpec,
+    mla_decode,
+    mla_prefill,
+    mla_write_cache,
+)
 from npu_attention.plan import AttentionPlan, plan
 from npu_attention.providers.base import AttentionProvider
 from npu_attention.providers.registry import (
@@ -23,10 +30,15 @@ __all__ = [
     "AttentionProvider",
     "AttentionSpec",
     "BatchState",
+    "LatentCache",
+    "MLASpec",
     "PlanBuffers",
     "__version__",
     "available_providers",
     "get_provider",
+    "mla_decode",
+    "mla_prefill",
+    "mla_write_cache",
     "plan",
     "register_provider",
     "run",

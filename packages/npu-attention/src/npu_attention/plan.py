@@ -33,7 +33,7 @@ import torch
 
 from npu_attention import _inputs
 from npu_attention.providers.registry import get_provider
-from npu_attention.spec import AttentionSpec, BatchState
+from npu_attention.spec import AttentionSpec, BatchState, StepSpec
 
 if TYPE_CHECKING:
     from npu_attention.buffers import PlanBuffers
@@ -58,7 +58,7 @@ class AttentionPlan:
     mode the device fields are views of ``PlanBuffers`` at fixed addresses.
     """
 
-    spec: AttentionSpec
+    spec: AttentionSpec  # or an npu_attention.mla.MLASpec
     state: BatchState
     provider: AttentionProvider
     device: torch.device
@@ -124,20 +124,21 @@ def plan(
     call leaves no partial state behind.
 
     Raises:
-        TypeError: non-integer metadata or a ``spec`` that is not an ``AttentionSpec``.
+        TypeError: non-integer metadata or a ``spec`` that is not an ``AttentionSpec``
+            or ``MLASpec``.
         ValueError: inconsistent lengths or offsets, a sequence longer than its
             block table, out-of-range block ids or slots, a device that is not
             available, an unknown provider or one that does not run on ``device``
             or does not take ``spec`` (e.g. its head size),
             or a batch larger than ``buffers``.
     """
-    if not isinstance(spec, AttentionSpec):
-        raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+    if not isinstance(spec, StepSpec):
+        raise TypeError(f"spec must be an AttentionSpec or an MLASpec, got {type(spec).__name__}")
     host = _host_arrays(cu_seqlens_q, seq_lens)
     num_decodes = _inputs.check_decodes(num_decodes, host.query_lens, spec)
     tables, slots = _tables_and_slots(block_tables, slot_mapping, host, spec, num_blocks)
     device = _inputs.resolve_device(device, tables)
-    chosen = get_provider(provider, device)
+    chosen = get_provider(provider, device, family=spec.provider_family)
     chosen.check_spec(spec)
     if buffers is None:
         tensors = _to_device(host, tables, slots, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from npu_attention.plan import AttentionPlan
+from npu_attention.spec import AttentionSpec
 
 
 def run(
@@ -59,6 +60,11 @@ def _check_run_inputs(
     if not isinstance(plan, AttentionPlan):
         raise TypeError(f"plan must be an AttentionPlan, got {type(plan).__name__}")
     spec = plan.spec
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(
+            f"run takes plans made for an AttentionSpec, got one for {type(spec).__name__} "
+            "(MLA runs through npu_attention.mla)"
+        )
     _check_tensor("query", query, plan, (spec.num_heads, spec.head_size))
     _check_tensor("out", out, plan, (spec.num_heads, spec.head_size))
     if (key is None) != (value is None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -33,8 +34,22 @@ class BatchState(enum.Enum):
     CHUNKED_PREFILL = "chunked_prefill"
 
 
+class StepSpec:
+    """What ``plan`` needs of a layer description, whatever the attention kind.
+
+    Subclasses have ``block_size``, ``dtype`` and ``num_speculative_tokens``
+    fields; ``provider_family`` names the provider registry ``plan`` chooses from
+    (``"attention"``: ``AttentionSpec``; ``"mla"``: ``npu_attention.mla.MLASpec``).
+    """
+
+    provider_family: ClassVar[str]
+    block_size: int
+    dtype: torch.dtype
+    num_speculative_tokens: int
+
+
 @dataclass(frozen=True)
-class AttentionSpec:
+class AttentionSpec(StepSpec):
     """Everything about attention that is fixed for a layer (or a group of layers).
 
     Attributes:
@@ -63,6 +78,8 @@ class AttentionSpec:
     logits_soft_cap: float | None = None
     scale: float | None = None
     num_speculative_tokens: int = 0
+
+    provider_family: ClassVar[str] = "attention"
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0:

@@ -157,16 +157,17 @@ def masked_attention(
 
     Args:
         query: ``[b, lq, heads, head_size]``.
-        key, value: ``[b, lk, kv_heads, head_size]``.
+        key: ``[b, lk, kv_heads, head_size]``.
+        value: ``[b, lk, kv_heads, value_size]`` (``value_size`` may differ, as in MLA).
         hidden: bool ``[b, 1, 1, lq, lk]``, True where a key is not visible.
         past_end: bool ``[b, 1, lk, 1]``, True where ``value`` may be garbage
             (zeroed first, since a hidden key's weight 0 times NaN is NaN).
 
     Returns:
-        float32 ``[b * lq, heads, head_size]`` (rows with no visible key are NaN).
+        float32 ``[b * lq, heads, value_size]`` (rows with no visible key are NaN).
     """
     b, lq, heads, head_size = query.shape
-    lk, kv_heads = key.shape[1], key.shape[2]
+    lk, kv_heads, value_size = key.shape[1], key.shape[2], value.shape[3]
     group = heads // kv_heads
     q = query.to(torch.float32).view(b, lq, kv_heads, group, head_size)
     q = q.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * lq, head_size)
@@ -179,8 +180,8 @@ def masked_attention(
         scores = scores.div_(soft_cap).tanh_().mul_(soft_cap)
     scores = scores.view(b, kv_heads, group, lq, lk).masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, kv_heads, group * lq, lk)
-    out = torch.matmul(probs, v).view(b, kv_heads, group, lq, head_size)
-    return out.permute(0, 3, 1, 2, 4).reshape(b * lq, heads, head_size)
+    out = torch.matmul(probs, v).view(b, kv_heads, group, lq, value_size)
+    return out.permute(0, 3, 1, 2, 4).reshape(b * lq, heads, value_size)
 
 
 def _float32_heads_first(x: torch.Tensor) -> torch.Tensor:

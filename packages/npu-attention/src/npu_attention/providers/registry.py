@@ -1,6 +1,13 @@
-"""Name -> provider class registry; providers are chosen by name or by device."""
+"""Name -> provider class registries; providers are chosen by name or by device.
+
+Two families share the names and the device preferences: ``"attention"``
+(``AttentionProvider``, for ``AttentionSpec``) and ``"mla"`` (``MLAProvider``,
+for ``npu_attention.mla.MLASpec``).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -20,20 +27,40 @@ _DEVICE_PREFERENCE: dict[str, tuple[str, ...]] = {
     "npu": ("ascend",),
 }
 _INSTANCES: dict[str, AttentionProvider] = {}
+_LAZY_MLA_PROVIDERS: dict[str, str] = {
+    "reference": "npu_attention.providers.reference_mla:ReferenceMLAProvider",
+    "triton": "npu_attention.providers.triton_mla:TritonMLAProvider",
+    "ascend": "npu_attention.providers.ascend_mla:AscendMLAProvider",
+}
+_MLA_DEVICE_PREFERENCE: dict[str, tuple[str, ...]] = dict(_DEVICE_PREFERENCE)
+_MLA_INSTANCES: dict[str, Any] = {}
+FAMILIES = ("attention", "mla")
 
 
-def register_provider(name: str, target: str, device_types: tuple[str, ...] = ()) -> None:
-    """Register ``"module:Class"`` under ``name``; prefer it for ``device_types``."""
-    _LAZY_PROVIDERS[name] = target
-    _INSTANCES.pop(name, None)
+def _tables(family: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]], dict[str, Any]]:
+    """(lazy targets, device preference, instances) of ``family``, read at call time."""
+    if family == "attention":
+        return _LAZY_PROVIDERS, _DEVICE_PREFERENCE, _INSTANCES
+    if family == "mla":
+        return _LAZY_MLA_PROVIDERS, _MLA_DEVICE_PREFERENCE, _MLA_INSTANCES
+    raise ValueError(f"provider family must be one of {FAMILIES}, got {family!r}")
+
+
+def register_provider(
+    name: str, target: str, device_types: tuple[str, ...] = (), *, family: str = "attention"
+) -> None:
+    """Register ``"module:Class"`` under ``name`` in ``family``; prefer it for ``device_types``."""
+    lazy, preference, instances = _tables(family)
+    lazy[name] = target
+    instances.pop(name, None)
     for device_type in device_types:
-        rest = tuple(n for n in _DEVICE_PREFERENCE.get(device_type, ()) if n != name)
-        _DEVICE_PREFERENCE[device_type] = (name, *rest)
+        rest = tuple(n for n in preference.get(device_type, ()) if n != name)
+        preference[device_type] = (name, *rest)
 
 
-def available_providers() -> tuple[str, ...]:
-    """Names of every registered provider (whether or not it imports here)."""
-    return tuple(_LAZY_PROVIDERS)
+def available_providers(family: str = "attention") -> tuple[str, ...]:
+    """Names of every registered provider of ``family`` (whether or not it imports here)."""
+    return tuple(_tables(family)[0])
 
 
 def supported_head_sizes(
@@ -56,19 +83,23 @@ def supported_head_sizes(
 
 
 def get_provider(
-    name: str | None = None, device: torch.device | str | None = None
-) -> AttentionProvider:
-    """Return the provider called ``name``, or the preferred one for ``device``.
+    name: str | None = None,
+    device: torch.device | str | None = None,
+    *,
+    family: str = "attention",
+) -> Any:
+    """Return the provider of ``family`` called ``name``, or the preferred one for ``device``
+    (an ``AttentionProvider``, or an ``MLAProvider`` for ``family="mla"``).
 
     Raises:
-        ValueError: unknown name, no provider for the device, or a provider asked
-            for on a device it does not support.
+        ValueError: unknown name or family, no provider for the device, or a provider
+            asked for on a device it does not support.
     """
     if name is None:
         if device is None:
             raise ValueError("get_provider needs a provider name or a device, got neither")
-        return _provider_for_device(torch.device(device))
-    provider = _instantiate(name)
+        return _provider_for_device(torch.device(device), family)
+    provider = _instantiate(name, family)
     if device is not None and not provider.supports_device(torch.device(device)):
         raise ValueError(
             f"provider {name!r} runs on {provider.device_types}, "
@@ -77,35 +108,42 @@ def get_provider(
     return provider
 
 
-def _provider_for_device(device: torch.device) -> AttentionProvider:
-    candidates = _DEVICE_PREFERENCE.get(device.type, ())
+def _provider_for_device(device: torch.device, family: str = "attention") -> Any:
+    preference = _tables(family)[1]
+    candidates = preference.get(device.type, ())
     for name in candidates:
         try:
-            cls = _provider_class(name)
+            cls = _provider_class(name, family)
         except ImportError:  # its optional dependency (triton, torch_npu) is missing
             continue
         if cls.is_available():
-            return _instantiate(name)
+            return _instantiate(name, family)
     raise ValueError(
-        f"no attention provider for device type {device.type!r}; "
-        f"known device types: {sorted(_DEVICE_PREFERENCE)}, tried: {list(candidates)}"
+        f"no {_label(family)} provider for device type {device.type!r}; "
+        f"known device types: {sorted(preference)}, tried: {list(candidates)}"
     )
 
 
-def _provider_class(name: str) -> type[AttentionProvider]:
-    if name not in _LAZY_PROVIDERS:
+def _provider_class(name: str, family: str = "attention") -> type:
+    lazy = _tables(family)[0]
+    if name not in lazy:
         raise ValueError(
-            f"unknown attention provider {name!r}; expected one of {sorted(_LAZY_PROVIDERS)}"
+            f"unknown {_label(family)} provider {name!r}; expected one of {sorted(lazy)}"
         )
-    module_name, class_name = _LAZY_PROVIDERS[name].split(":")
+    module_name, class_name = lazy[name].split(":")
     module = __import__(module_name, fromlist=[class_name])
     return getattr(module, class_name)
 
 
-def _instantiate(name: str) -> AttentionProvider:
-    if name not in _INSTANCES:
-        cls = _provider_class(name)
+def _instantiate(name: str, family: str = "attention") -> Any:
+    instances = _tables(family)[2]
+    if name not in instances:
+        cls = _provider_class(name, family)
         if not cls.is_available():
-            raise ValueError(f"attention provider {name!r} is not available on this machine")
-        _INSTANCES[name] = cls()
-    return _INSTANCES[name]
+            raise ValueError(f"{_label(family)} provider {name!r} is not available on this machine")
+        instances[name] = cls()
+    return instances[name]
+
+
+def _label(family: str) -> str:
+    return "attention" if family == "attention" else "MLA attention"

@@ -1,0 +1,177 @@
+"""Per-layer MLA execution: latent cache write, absorbed decode, non-absorbed prefill.
+
+The split follows vLLM's MLA layer: the cache write runs first (every key a step
+attends to, its own new tokens included, is read from the cache), decode requests
+(the plan's first ``num_decodes``) attend in latent space and their output is
+up-projected by the caller with ``W_UV``; prefill requests attend over keys and
+values decompressed from the cache by the caller's ``kv_up_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from npu_attention.mla.cache import LatentCache, check_latent_cache
+from npu_attention.mla.spec import MLASpec
+from npu_attention.plan import AttentionPlan
+from npu_attention.providers.mla_base import KVUpProjection
+
+
+def mla_write_cache(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: AttentionPlan
+) -> None:
+    """Write the step's latents into ``cache`` at ``plan.slot_mapping``.
+
+    Args:
+        kv_c: ``[num_tokens, kv_lora_rank]``, ``spec.dtype`` (normalized compressed KV).
+        k_pe: ``[num_tokens, qk_rope_head_dim]``, ``spec.dtype`` (rotary key, rotated).
+        cache: the layer's ``LatentCache``.
+        plan: from ``npu_attention.plan`` with an ``MLASpec``.
+
+    Token ``t < plan.num_actual_tokens`` is written unless its slot is ``-1``;
+    rows past ``num_actual_tokens`` (graph padding) are never read.
+
+    Raises:
+        TypeError: a plan not made for an ``MLASpec``, or wrong dtypes.
+        ValueError: shapes or devices that disagree with the plan.
+    """
+    spec = _mla_spec(plan)
+    _check_rows("kv_c", kv_c, plan, (spec.kv_lora_rank,), plan.num_actual_tokens)
+    _check_rows("k_pe", k_pe, plan, (spec.qk_rope_head_dim,), plan.num_actual_tokens)
+    check_latent_cache(cache, spec, plan.device)
+    plan.provider.write_cache(kv_c, k_pe, cache, plan)
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: LatentCache,
+    plan: AttentionPlan,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Absorbed (MQA) attention of the plan's decode requests; returns ``out``.
+
+    Row ``t < plan.num_decode_tokens`` of request ``i`` scores key ``j`` as
+    ``scale * (q_latent[t] . kv_c[j] + q_rope[t] . k_pe[j])`` for every cached
+    position ``j <= context_lens[i] + (t - cu_seqlens_q[i])`` (speculative tokens are
+    causal among themselves) and writes ``softmax . kv_c`` to ``out[t]``.
+
+    Args:
+        q_latent: ``[rows, num_heads, kv_lora_rank]``, ``q_nope`` absorbed by ``W_UK``.
+        q_rope: ``[rows, num_heads, qk_rope_head_dim]``; ``rows >= plan.num_decode_tokens``.
+        cache: the layer's ``LatentCache``, already holding this step's tokens.
+        plan: from ``npu_attention.plan`` with an ``MLASpec``.
+        out: ``[rows, num_heads, kv_lora_rank]``, written for the decode rows only
+            (the caller up-projects it with ``W_UV``).
+
+    Raises:
+        TypeError: a plan not made for an ``MLASpec``, or wrong dtypes.
+        ValueError: shapes or devices that disagree with the plan.
+    """
+    spec = _mla_spec(plan)
+    rows = plan.num_decode_tokens
+    _check_rows("q_latent", q_latent, plan, (spec.num_heads, spec.kv_lora_rank), rows)
+    _check_rows("q_rope", q_rope, plan, (spec.num_heads, spec.qk_rope_head_dim), rows)
+    _check_rows("out", out, plan, (spec.num_heads, spec.kv_lora_rank), rows)
+    check_latent_cache(cache, spec, plan.device)
+    if rows:
+        plan.provider.decode(q_latent, q_rope, cache, plan, out)
+    return out
+
+
+def mla_prefill(
+    query: torch.Tensor,
+    cache: LatentCache,
+    plan: AttentionPlan,
+    kv_up_proj: KVUpProjection,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Non-absorbed (MHA) causal attention of the plan's prefill requests; returns ``out``.
+
+    Row ``t`` is the prefill token ``plan.num_decode_tokens + t``. Keys and values
+    of each prefill request (its cached context and its new tokens) are
+    decompressed from the cache: ``[k_nope | v] = kv_up_proj(kv_c)`` per head,
+    ``k = [k_nope | k_pe]``; query position ``p`` sees keys ``<= p``.
+
+    Args:
+        query: ``[rows, num_heads, qk_nope_head_dim + qk_rope_head_dim]``
+            (``[q_nope | q_pe]``); ``rows >= plan.num_prefill_tokens``.
+        cache: the layer's ``LatentCache``, already holding this step's tokens.
+        plan: from ``npu_attention.plan`` with an ``MLASpec``.
+        kv_up_proj: ``kv_c`` ``[n, kv_lora_rank]`` -> ``[n, num_heads * (P + V)]`` or
+            ``[n, num_heads, P + V]``, each head ``[k_nope | v]`` (vLLM's ``kv_b_proj``).
+        out: ``[rows, num_heads, v_head_dim]``, written for the prefill rows only.
+
+    Raises:
+        TypeError: a plan not made for an ``MLASpec``, wrong dtypes, or a
+            ``kv_up_proj`` that is not callable.
+        ValueError: shapes or devices that disagree with the plan.
+    """
+    spec = _mla_spec(plan)
+    rows = plan.num_prefill_tokens
+    _check_rows("query", query, plan, (spec.num_heads, spec.qk_head_dim), rows)
+    _check_rows("out", out, plan, (spec.num_heads, spec.v_head_dim), rows)
+    check_latent_cache(cache, spec, plan.device)
+    if not callable(kv_up_proj):
+        raise TypeError(f"kv_up_proj must be callable, got {type(kv_up_proj).__name__}")
+    if rows:
+        plan.provider.prefill(query, cache, plan, kv_up_proj, out)
+    return out
+
+
+def up_projected_heads(
+    kv_up_proj: KVUpProjection, kv_c: torch.Tensor, spec: MLASpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_up_proj(kv_c)`` split per head: ``k_nope`` ``[n, N, P]`` and ``v`` ``[n, N, V]``.
+
+    Raises:
+        ValueError: an output that is not ``[n, N * (P + V)]`` or ``[n, N, P + V]``.
+    """
+    n, width = kv_c.shape[0], spec.qk_nope_head_dim + spec.v_head_dim
+    projected = kv_up_proj(kv_c)
+    if not isinstance(projected, torch.Tensor) or tuple(projected.shape) not in (
+        (n, spec.num_heads * width),
+        (n, spec.num_heads, width),
+    ):
+        shape = tuple(projected.shape) if isinstance(projected, torch.Tensor) else projected
+        raise ValueError(
+            f"kv_up_proj must map [{n}, {spec.kv_lora_rank}] to [{n}, "
+            f"{spec.num_heads * width}] or [{n}, {spec.num_heads}, {width}], got {shape}"
+        )
+    heads = projected.reshape(n, spec.num_heads, width)
+    k_nope, v = heads.split([spec.qk_nope_head_dim, spec.v_head_dim], dim=-1)
+    return k_nope, v
+
+
+def _mla_spec(plan: AttentionPlan) -> MLASpec:
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan must be an AttentionPlan, got {type(plan).__name__}")
+    if not isinstance(plan.spec, MLASpec):
+        raise TypeError(
+            f"the MLA functions take plans made for an MLASpec, got one for "
+            f"{type(plan.spec).__name__} (use npu_attention.run)"
+        )
+    return plan.spec
+
+
+def _check_rows(
+    name: str,
+    tensor: torch.Tensor,
+    plan: AttentionPlan,
+    trailing: tuple[int, ...],
+    min_rows: int,
+) -> None:
+    """``tensor`` is ``[rows >= min_rows, *trailing]`` of the plan's dtype and device."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != len(trailing) + 1 or tuple(tensor.shape[1:]) != trailing:
+        raise ValueError(
+            f"{name} must have shape [*, {', '.join(map(str, trailing))}], "
+            f"got {tuple(tensor.shape)}"
+        )
+    if tensor.dtype != plan.spec.dtype:
+        raise TypeError(f"{name} must have dtype {plan.spec.dtype}, got {tensor.dtype}")
+    if tensor.device != plan.device:
+        raise ValueError(f"{name} must be on {plan.device}, got {tensor.device}")
+    if tensor.shape[0] < min_rows:
+        raise ValueError(f"{name} must have >= {min_rows} rows, got {tensor.shape[0]}")

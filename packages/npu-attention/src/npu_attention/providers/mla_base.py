@@ -1,0 +1,96 @@
+"""The interface every MLA kernel provider implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from npu_attention.mla.cache import LatentCache
+    from npu_attention.mla.spec import MLASpec
+    from npu_attention.plan import AttentionPlan
+
+# kv_c rows [n, kv_lora_rank] -> per-head [k_nope | v], [n, num_heads * (P + V)] or
+# [n, num_heads, P + V] (vLLM's kv_b_proj output).
+KVUpProjection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def require_cache(plan: AttentionPlan) -> None:
+    """MLA reads every key from the latent cache: refuse a plan made without block tables.
+
+    Raises:
+        ValueError: ``plan`` was made with ``block_tables=None``.
+    """
+    if not plan.has_cache and plan.max_seq_len > 0:
+        raise ValueError(
+            "MLA reads every key from the latent cache: plan with block_tables, "
+            "got block_tables=None"
+        )
+
+
+class MLAProvider(ABC):
+    """One family of MLA kernels (reference PyTorch, Triton, torch_npu).
+
+    ``prepare`` runs once per step (inside ``plan``); the other methods run once
+    per layer and must not do host work that ``prepare`` could have done. Decode
+    rows are the plan's first ``num_decode_tokens`` tokens; prefill rows are
+    numbered from the first prefill token (``plan.num_decode_tokens``) on.
+    """
+
+    name: ClassVar[str]
+    device_types: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether the provider's dependencies import on this machine."""
+        return True
+
+    def supports_device(self, device: torch.device) -> bool:
+        return device.type in self.device_types
+
+    def check_spec(self, spec: MLASpec) -> None:  # noqa: B027 (no limits by default)
+        """Refuse a spec the provider cannot run (called by ``plan`` before any work).
+
+        Raises:
+            ValueError / TypeError: naming the provider, what it takes and what came.
+        """
+
+    def prepare(self, plan: AttentionPlan) -> Any:
+        """Build provider-specific step metadata; stored as ``plan.provider_data``."""
+        return None
+
+    @abstractmethod
+    def write_cache(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: AttentionPlan
+    ) -> None:
+        """Scatter ``kv_c`` ``[tokens, L]`` and ``k_pe`` ``[tokens, R]`` into ``cache`` at
+        ``plan.slot_mapping``; slots ``< 0`` and tokens past ``num_actual_tokens`` are skipped."""
+
+    @abstractmethod
+    def decode(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache: LatentCache,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+    ) -> None:
+        """Absorbed attention of the decode rows: ``q_latent`` ``[rows, N, L]`` and
+        ``q_rope`` ``[rows, N, R]`` against the cached latents; writes ``out`` ``[rows, N, L]``
+        (latent space) for rows ``< plan.num_decode_tokens``."""
+
+    @abstractmethod
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: LatentCache,
+        plan: AttentionPlan,
+        kv_up_proj: KVUpProjection,
+        out: torch.Tensor,
+    ) -> None:
+        """Non-absorbed attention of the prefill rows: ``query`` ``[rows, N, P + R]``
+        against keys and values decompressed from the cached latents by ``kv_up_proj``;
+        writes ``out`` ``[rows, N, V]`` for rows ``< plan.num_prefill_tokens``."""
