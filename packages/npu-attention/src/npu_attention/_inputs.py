@@ -45,31 +45,40 @@ def as_int_tensor(values: Any, name: str, ndim: int) -> torch.Tensor:
     return values
 
 
-def check_cu_seqlens(cu: np.ndarray, seq_lens: np.ndarray) -> None:
+def check_cu_seqlens(cu: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """Check the offsets; return the query lengths ``cu[1:] - cu[:-1]``."""
     if len(cu) != len(seq_lens) + 1:
         raise ValueError(
             f"cu_seqlens_q must have len(seq_lens) + 1 = {len(seq_lens) + 1} entries, got {len(cu)}"
         )
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens_q must start at 0, got {int(cu[0])}")
-    steps = np.diff(cu)
-    if (steps < 0).any():
+    steps = cu[1:] - cu[:-1]
+    if steps.min(initial=0) < 0:
         i = int(np.argmax(steps < 0))
         raise ValueError(
             f"cu_seqlens_q must be non-decreasing, got cu_seqlens_q[{i}]={int(cu[i])} > "
             f"cu_seqlens_q[{i + 1}]={int(cu[i + 1])}"
         )
+    return steps
 
 
-def check_seq_lens(seq_lens: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray) -> None:
-    if (context_lens < 0).any():
+def check_seq_lens(
+    seq_lens: np.ndarray,
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    max_seq_len: int | None = None,
+) -> None:
+    if context_lens.min(initial=0) < 0:
         i = int(np.argmax(context_lens < 0))
         raise ValueError(
             f"seq_lens[{i}] must be at least the request's query length {int(query_lens[i])}, "
             f"got {int(seq_lens[i])}"
         )
-    if seq_lens.size and seq_lens.max() >= 2**31:
-        raise ValueError(f"seq_lens must fit in int32, got {int(seq_lens.max())}")
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max(initial=0))
+    if max_seq_len >= 2**31:
+        raise ValueError(f"seq_lens must fit in int32, got {max_seq_len}")
 
 
 def check_decodes(num_decodes: Any, query_lens: np.ndarray, spec: AttentionSpec) -> int:
@@ -83,7 +92,7 @@ def check_decodes(num_decodes: Any, query_lens: np.ndarray, spec: AttentionSpec)
         )
     limit = 1 + spec.num_speculative_tokens
     decode_lens = query_lens[:num_decodes]
-    if (decode_lens > limit).any():
+    if decode_lens.max(initial=0) > limit:
         i = int(np.argmax(decode_lens > limit))
         raise ValueError(
             f"decode requests bring at most 1 + num_speculative_tokens = {limit} query "
@@ -126,11 +135,17 @@ def check_table_rows(tables: torch.Tensor, seq_lens: np.ndarray) -> None:
 
 
 def check_block_tables(
-    tables: torch.Tensor, seq_lens: np.ndarray, block_size: int, num_blocks: int | None
+    tables: torch.Tensor,
+    seq_lens: np.ndarray,
+    block_size: int,
+    num_blocks: int | None,
+    max_seq_len: int | None = None,
 ) -> None:
     check_table_rows(tables, seq_lens)
     capacity = tables.shape[1] * block_size
-    if seq_lens.size and seq_lens.max() > capacity:
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max(initial=0))
+    if max_seq_len > capacity:
         i = int(np.argmax(seq_lens))
         raise ValueError(
             f"seq_lens[{i}]={int(seq_lens[i])} exceeds its block table: "
@@ -176,9 +191,30 @@ def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) ->
 
     A host tensor bound for an accelerator is staged in pinned memory and copied
     asynchronously, so planning the next step overlaps the device's current work
-    (a copy from pageable memory would wait for the device to drain).
+    (a copy from pageable memory would wait for the device to drain). A tensor
+    already there with that dtype is returned as is.
     """
-    tensor = tensor.to(dtype)
+    if tensor.dtype == dtype and tensor.device == device:
+        return tensor
     if tensor.device.type == "cpu" and device.type != "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+        staged = host_staging(tensor.shape, dtype, device)
+        staged.copy_(tensor)
+        return staged.to(device, non_blocking=True)
+    return tensor.to(device=device, dtype=dtype)
+
+
+def host_staging(shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized host tensor for data bound for ``device``: pinned when that is an
+    accelerator. Torch's pinned-memory cache hands a block out again only after the
+    asynchronous copies that read it have finished, so each step can take a new one."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type != "cpu")
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` without blocking the host: a host ``src`` bound for an
+    accelerator goes through pinned memory, cast there to ``dst``'s dtype."""
+    if src.device.type == "cpu" and dst.device.type != "cpu":
+        staged = host_staging(src.shape, dst.dtype, dst.device)
+        staged.copy_(src)
+        src = staged
+    dst.copy_(src, non_blocking=True)

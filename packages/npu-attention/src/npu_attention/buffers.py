@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from npu_attention._inputs import to_device
+from npu_attention._inputs import copy_into, host_staging
 
 if TYPE_CHECKING:
     from npu_attention.plan import HostArrays
@@ -51,6 +51,12 @@ class PlanBuffers:
         self.meta = meta
         self.block_tables = block_tables
         self.slot_mapping = slot_mapping
+        # How far earlier steps may have written (block-table columns, slots): padding is
+        # restored only where a smaller step leaves stale entries behind. Buffers given by
+        # the caller may hold anything, buffers from ``allocate`` start neutral.
+        self._dirty_columns = self.max_blocks_per_req
+        self._dirty_slots = self.max_num_tokens
+        self._views: dict[tuple[int, int, int], tuple[tuple[torch.Tensor, ...], ...]] = {}
 
     @classmethod
     def allocate(
@@ -73,7 +79,9 @@ class PlanBuffers:
         meta = torch.zeros(3 * max_num_reqs + 1, dtype=torch.int32, device=device)
         tables = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device)
         slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
-        return cls(meta, tables, slots)
+        buffers = cls(meta, tables, slots)
+        buffers._dirty_columns = buffers._dirty_slots = 0
+        return buffers
 
     @property
     def max_num_reqs(self) -> int:
@@ -121,21 +129,47 @@ class PlanBuffers:
             ValueError: the step does not fit, or ``device`` is not the buffers' device.
         """
         num_reqs, width = len(host.seq_lens), self._width(host, tables, spec)
-        self._check_fits(device, num_reqs, slots.shape[0])
-        self.meta.copy_(to_device(torch.from_numpy(self._packed_meta(host)), device, torch.int32))
-        self.block_tables[:num_reqs, :width].copy_(
-            to_device(tables[:, :width], device, torch.int32)
-        )
-        self.block_tables[:num_reqs, width:].zero_()
-        self.slot_mapping[: slots.shape[0]].copy_(to_device(slots, device, torch.int64))
-        self.slot_mapping[slots.shape[0] :].fill_(-1)
-        return (
-            self.cu_seqlens_q[: num_reqs + 1],
-            self.seq_lens[:num_reqs],
-            self.context_lens[:num_reqs],
-            self.block_tables[:num_reqs],
-            self.slot_mapping[: slots.shape[0]],
-        )
+        num_slots = slots.shape[0]
+        self._check_fits(device, num_reqs, num_slots)
+        tables_dst, slots_dst, views = self._step_views(num_reqs, width, num_slots)
+        staged = host_staging(self.meta.shape, torch.int32, device)
+        self._pack_meta(host, staged.numpy())
+        self.meta.copy_(staged, non_blocking=True)
+        if width:
+            copy_into(tables_dst, tables[:, :width] if tables.shape[1] != width else tables)
+        if self._dirty_columns > width:  # every row: later, larger steps read them too
+            self.block_tables[:, width : self._dirty_columns].zero_()
+        self._dirty_columns = width
+        if num_slots:
+            copy_into(slots_dst, slots)
+        if self._dirty_slots > num_slots:
+            self.slot_mapping[num_slots : self._dirty_slots].fill_(-1)
+        self._dirty_slots = num_slots
+        return views
+
+    def _step_views(
+        self, num_reqs: int, width: int, num_slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Copy destinations and the plan's views for a step of this size (cached: slicing
+        costs host time, and the views of one size are the same every step)."""
+        key = (num_reqs, width, num_slots)
+        cached = self._views.get(key)
+        if cached is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            cap = self.max_num_reqs
+            cached = self._views[key] = (
+                self.block_tables[:num_reqs, :width],
+                self.slot_mapping[:num_slots],
+                (
+                    self.meta[: num_reqs + 1],
+                    self.meta[cap + 1 : cap + 1 + num_reqs],
+                    self.meta[2 * cap + 1 : 2 * cap + 1 + num_reqs],
+                    self.block_tables[:num_reqs],
+                    self.slot_mapping[:num_slots],
+                ),
+            )
+        return cached
 
     def _width(self, host: HostArrays, tables: torch.Tensor, spec: AttentionSpec) -> int:
         """Block-table columns to copy: all of them, or as many as the longest sequence
@@ -162,11 +196,12 @@ class PlanBuffers:
                 f"PlanBuffers hold {self.max_num_tokens} slots, the step has {num_slots}"
             )
 
-    def _packed_meta(self, host: HostArrays) -> np.ndarray:
+    def _pack_meta(self, host: HostArrays, packed: np.ndarray) -> None:
+        """Write ``cu_seqlens_q | seq_lens | context_lens`` with neutral padding into ``packed``."""
         num_reqs, cap = len(host.seq_lens), self.max_num_reqs
-        packed = np.zeros(3 * cap + 1, dtype=np.int32)
         packed[: num_reqs + 1] = host.cu_seqlens_q
         packed[num_reqs + 1 : cap + 1] = host.cu_seqlens_q[-1]
         packed[cap + 1 : cap + 1 + num_reqs] = host.seq_lens
+        packed[cap + 1 + num_reqs : 2 * cap + 1] = 0
         packed[2 * cap + 1 : 2 * cap + 1 + num_reqs] = host.context_lens
-        return packed
+        packed[2 * cap + 1 + num_reqs :] = 0
