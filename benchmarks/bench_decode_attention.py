@@ -150,6 +150,49 @@ def tune(device: torch.device) -> dict[str, Any]:
     }
 
 
+def sweep(device: torch.device) -> list[dict[str, Any]]:
+    """Time every (launch, KV splits) pair on the latency-bound shapes (block size 128)."""
+    rows = []
+    shapes = {  # (batch, context): KV splits to try
+        (1, 512): (2, 4, 8),
+        (1, 4096): (8, 16, 32, 64),
+        (16, 512): (1, 2, 3, 4, 8),
+        (16, 4096): (1, 2, 3, 4, 8),
+        (64, 512): (1, 2),
+    }
+    for (batch, context), split_choices in shapes.items():
+        problem = DecodeProblem(batch, context, device)
+        best_sdpa = min(
+            ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
+        )
+        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4), (2, 3)):
+            for splits in split_choices:
+                if context // splits < block_n:
+                    continue
+                provider = TritonProvider()
+                provider.decode_launch = {
+                    "block_n": block_n, "num_warps": warps, "num_stages": stages
+                }  # fmt: skip
+                provider.decode_launch_one_wave = provider.decode_launch
+                provider._num_kv_splits = lambda *_, s=splits: s
+                try:
+                    ms = measure(problem, provider, 128)["ms"]
+                except Exception as error:  # e.g. out of shared memory
+                    print(f"skip {provider.decode_launch} splits={splits}: {type(error).__name__}")
+                    continue
+                rows.append({
+                    "batch": batch, "context": context, "block_n": block_n, "warps": warps,
+                    "stages": stages, "splits": splits, "us": ms * 1e3,
+                    "vs_best_sdpa": best_sdpa / ms,
+                })  # fmt: skip
+        best = sorted((r for r in rows if r["batch"] == batch and r["context"] == context),
+                      key=lambda r: r["us"])[:8]  # fmt: skip
+        _timing.print_table(list(best[0]), best)
+        del problem
+        torch.cuda.empty_cache()
+    return rows
+
+
 def profile_kernels(device: torch.device) -> None:
     """Device time of each kernel of batch 1 x 4096 (block 128), triton and its peers."""
     problem = DecodeProblem(1, 4096, device)
@@ -179,8 +222,14 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="only list kernel times of batch 1 x 4096"
     )
+    parser.add_argument(
+        "--sweep", action="store_true", help="only time launch x split choices, small batches"
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
+    if args.sweep:
+        _timing.write_json("decode_sweep", {"rows": sweep(device)})
+        return
     if args.profile:
         profile_kernels(device)
         return

@@ -213,13 +213,13 @@ def plan_host_sweep(model: LlamaDecoder, steps: DecodeSteps, repeats: int = 200)
         row: dict[str, Any] = {"batch": batch}
         for label, fixed in (("plan_us", None), ("plan_buffers_us", buffers)):
             times = []
-            for _ in range(repeats):
+            for _ in range(repeats + 20):  # the first 20: warm-up
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 plan(cu_seqlens_q, seq_lens, tables, slots, batch, spec,
                      device=device, provider="triton", buffers=fixed)  # fmt: skip
                 times.append(time.perf_counter() - t0)
-            row[label] = float(np.median(times)) * 1e6
+            row[label] = float(np.median(times[20:])) * 1e6
         rows.append(row)
     return rows
 
