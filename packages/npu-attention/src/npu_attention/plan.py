@@ -135,8 +135,14 @@ def plan(
     if not isinstance(spec, StepSpec):
         raise TypeError(f"spec must be an AttentionSpec or an MLASpec, got {type(spec).__name__}")
     host = _host_arrays(cu_seqlens_q, seq_lens)
+    max_query_len = int(host.query_lens.max(initial=0))
+    max_seq_len = int(host.seq_lens.max(initial=0))
+    _inputs.check_seq_lens(host.seq_lens, host.query_lens, host.context_lens, max_seq_len)
+    max_context_len = int(host.context_lens.max(initial=0))
     num_decodes = _inputs.check_decodes(num_decodes, host.query_lens, spec)
-    tables, slots = _tables_and_slots(block_tables, slot_mapping, host, spec, num_blocks)
+    tables, slots = _tables_and_slots(
+        block_tables, slot_mapping, host, spec, num_blocks, max_seq_len
+    )
     device = _inputs.resolve_device(device, tables)
     chosen = get_provider(provider, device, family=spec.provider_family)
     chosen.check_spec(spec)
@@ -145,18 +151,19 @@ def plan(
     else:
         tensors = buffers.load(host, tables, slots, device, spec)
     cu_t, seq_t, ctx_t, tables_t, slots_t = tensors
+    cu_list = host.cu_seqlens_q.tolist()
     result = AttentionPlan(
         spec=spec,
-        state=classify(host.query_lens, host.context_lens, num_decodes),
+        state=_classify(max_query_len, max_context_len, num_decodes, len(host.seq_lens)),
         provider=chosen,
         device=device,
         num_reqs=len(host.seq_lens),
         num_decodes=num_decodes,
-        num_decode_tokens=int(host.cu_seqlens_q[num_decodes]),
-        num_actual_tokens=int(host.cu_seqlens_q[-1]),
-        max_query_len=int(host.query_lens.max(initial=0)),
-        max_seq_len=int(host.seq_lens.max(initial=0)),
-        cu_seqlens_q_host=host.cu_seqlens_q.tolist(),
+        num_decode_tokens=cu_list[num_decodes],
+        num_actual_tokens=cu_list[-1],
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        cu_seqlens_q_host=cu_list,
         query_lens_host=host.query_lens.tolist(),
         seq_lens_host=host.seq_lens.tolist(),
         cu_seqlens_q=cu_t,
@@ -165,7 +172,7 @@ def plan(
         block_tables=tables_t,
         slot_mapping=slots_t,
         context_lens_host=host.context_lens.tolist(),
-        max_context_len=int(host.context_lens.max(initial=0)),
+        max_context_len=max_context_len,
         has_cache=tables.shape[1] > 0,
         host_arrays=host,
         buffers=buffers,
@@ -176,12 +183,22 @@ def plan(
 
 def classify(query_lens: np.ndarray, context_lens: np.ndarray, num_decodes: int) -> BatchState:
     """The ``BatchState`` of a batch whose first ``num_decodes`` requests are decodes."""
-    num_reqs = len(query_lens)
+    return _classify(
+        int(query_lens.max(initial=0)),
+        int(context_lens.max(initial=0)),
+        num_decodes,
+        len(query_lens),
+    )
+
+
+def _classify(
+    max_query_len: int, max_context_len: int, num_decodes: int, num_reqs: int
+) -> BatchState:
     if num_decodes == num_reqs:
-        return BatchState.SPEC_DECODING if query_lens.max(initial=0) > 1 else BatchState.DECODE_ONLY
+        return BatchState.SPEC_DECODING if max_query_len > 1 else BatchState.DECODE_ONLY
     if num_decodes > 0:
         return BatchState.CHUNKED_PREFILL
-    if context_lens.any():
+    if max_context_len > 0:
         return BatchState.PREFILL_CACHE_HIT
     return BatchState.PREFILL_NO_CACHE
 
@@ -189,15 +206,17 @@ def classify(query_lens: np.ndarray, context_lens: np.ndarray, num_decodes: int)
 def _host_arrays(cu_seqlens_q: Any, seq_lens: Any) -> HostArrays:
     cu = _inputs.as_host_array(cu_seqlens_q, "cu_seqlens_q")
     seq = _inputs.as_host_array(seq_lens, "seq_lens")
-    _inputs.check_cu_seqlens(cu, seq)
-    query_lens = np.diff(cu)
-    context_lens = seq - query_lens
-    _inputs.check_seq_lens(seq, query_lens, context_lens)
-    return HostArrays(cu, query_lens, seq, context_lens)
+    query_lens = _inputs.check_cu_seqlens(cu, seq)
+    return HostArrays(cu, query_lens, seq, seq - query_lens)
 
 
 def _tables_and_slots(
-    block_tables: Any, slot_mapping: Any, host: HostArrays, spec: AttentionSpec, num_blocks: Any
+    block_tables: Any,
+    slot_mapping: Any,
+    host: HostArrays,
+    spec: AttentionSpec,
+    num_blocks: Any,
+    max_seq_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked integer tensors (on their own device); ``None`` means no cache / no writes."""
     num_tokens = int(host.cu_seqlens_q[-1])
@@ -208,7 +227,7 @@ def _tables_and_slots(
     tables = _inputs.as_int_tensor(block_tables, "block_tables", ndim=2)
     slots = _inputs.as_int_tensor(slot_mapping, "slot_mapping", ndim=1)
     if tables.shape[1]:
-        _inputs.check_block_tables(tables, host.seq_lens, spec.block_size, num_blocks)
+        _inputs.check_block_tables(tables, host.seq_lens, spec.block_size, num_blocks, max_seq_len)
     else:
         _inputs.check_table_rows(tables, host.seq_lens)
     _inputs.check_slot_mapping(slots, num_tokens, spec.block_size, num_blocks)
@@ -220,8 +239,12 @@ def _to_device(
 ) -> tuple[torch.Tensor, ...]:
     """One host-to-device copy for the per-request metadata, views into it."""
     num_reqs = len(host.seq_lens)
-    packed = np.concatenate([host.cu_seqlens_q, host.seq_lens, host.context_lens])
-    meta = _inputs.to_device(torch.from_numpy(packed), device, torch.int32)
+    staged = _inputs.host_staging(3 * num_reqs + 1, torch.int32, device)
+    packed = staged.numpy()
+    packed[: num_reqs + 1] = host.cu_seqlens_q
+    packed[num_reqs + 1 : 2 * num_reqs + 1] = host.seq_lens
+    packed[2 * num_reqs + 1 :] = host.context_lens
+    meta = staged if device.type == "cpu" else staged.to(device, non_blocking=True)
     cu_t = meta[: num_reqs + 1]
     seq_t = meta[num_reqs + 1 : 2 * num_reqs + 1]
     ctx_t = meta[2 * num_reqs + 1 :]
