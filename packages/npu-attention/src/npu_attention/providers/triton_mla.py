@@ -1,0 +1,144 @@
+"""The ``triton`` MLA provider: latent cache writes and absorbed decode as Triton kernels.
+
+``prepare`` (once per step) picks the number of KV splits of the decode launch;
+``write_cache`` and ``decode`` only launch kernels that read the step from the
+plan's device tensors, so both can be captured in a device graph and replayed
+after the plan's fixed buffers are refreshed. Prefill (non-absorbed) runs the
+reference provider's PyTorch path on the same device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from npu_attention.providers.mla_base import require_cache
+from npu_attention.providers.reference_mla import PrefillPages, ReferenceMLAProvider, prefill_pages
+
+if TYPE_CHECKING:
+    from npu_attention.mla.cache import LatentCache
+    from npu_attention.plan import AttentionPlan
+    from npu_attention.providers.triton_kernels.mla_decode import MLADecodeConfig
+
+_MAX_KV_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TritonMLAData:
+    """``num_kv_splits``: decode programs along each request's keys; ``prefill``: the
+    reference provider's prefill pages (``None`` without prefills)."""
+
+    num_kv_splits: int
+    prefill: PrefillPages | None
+
+
+class TritonMLAProvider(ReferenceMLAProvider):
+    """Triton kernels for CUDA GPUs (and the CPU under ``TRITON_INTERPRET=1``).
+
+    Attributes (tunable per instance):
+        block_h, block_n, num_warps, num_stages: the decode launch (see ``MLADecodeConfig``).
+        min_tokens_per_split: a request's keys are split only into shares of at least
+            this many tokens.
+        target_waves: decode launches aim for this many programs per multiprocessor.
+        fixed_kv_splits: when set, every decode launch uses this many splits.
+    """
+
+    name: ClassVar[str] = "triton"
+    device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+
+    def __init__(self) -> None:
+        self.block_h = 16
+        self.block_n = 32
+        self.num_warps = 4
+        self.num_stages = 2
+        self.min_tokens_per_split = 256
+        self.target_waves = 2
+        self.fixed_kv_splits: int | None = None
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            import triton  # noqa: F401
+        except Exception:
+            return False
+        return True
+
+    def supports_device(self, device: torch.device) -> bool:
+        if device.type == "cpu":
+            return os.environ.get("TRITON_INTERPRET") == "1"
+        return device.type in self.device_types
+
+    def prepare(self, plan: AttentionPlan) -> TritonMLAData:
+        require_cache(plan)
+        splits = 1
+        if plan.num_decodes:
+            splits = self._num_kv_splits(plan)
+        prefill = prefill_pages(plan) if plan.num_decodes < plan.num_reqs else None
+        return TritonMLAData(num_kv_splits=splits, prefill=prefill)
+
+    def write_cache(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: AttentionPlan
+    ) -> None:
+        from npu_attention.providers.triton_kernels.mla_cache_write import write_latent_cache
+
+        write_latent_cache(
+            kv_c, k_pe, cache.kv_c, cache.k_pe, plan.slot_mapping, plan.num_actual_tokens
+        )
+
+    def decode(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache: LatentCache,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+    ) -> None:
+        from npu_attention.providers.triton_kernels.mla_decode import mla_decode_attention
+
+        spec = plan.spec
+        mla_decode_attention(
+            q_latent,
+            q_rope,
+            cache.kv_c,
+            cache.k_pe,
+            plan.block_tables,
+            plan.cu_seqlens_q,
+            plan.seq_lens,
+            out,
+            num_decodes=plan.num_decodes,
+            num_decode_tokens=plan.num_decode_tokens,
+            max_query_len=1 + spec.num_speculative_tokens,
+            scale=spec.softmax_scale,
+            config=self.decode_config(plan.provider_data.num_kv_splits),
+        )
+
+    def decode_config(self, num_kv_splits: int) -> MLADecodeConfig:
+        from npu_attention.providers.triton_kernels.mla_decode import MLADecodeConfig
+
+        return MLADecodeConfig(
+            block_h=self.block_h,
+            block_n=self.block_n,
+            num_splits=num_kv_splits,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
+
+    def _num_kv_splits(self, plan: AttentionPlan) -> int:
+        if self.fixed_kv_splits is not None:
+            return self.fixed_kv_splits
+        head_groups = -(-plan.spec.num_heads // self.block_h)
+        programs = max(1, plan.num_decodes * head_groups)
+        by_occupancy = -(-self.target_waves * _multiprocessor_count(plan.device) // programs)
+        by_length = -(-plan.max_seq_len // self.min_tokens_per_split)
+        return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1

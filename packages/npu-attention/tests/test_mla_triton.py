@@ -1,0 +1,148 @@
+"""The ``triton`` MLA provider against the float64 MLA oracle.
+
+Unmarked cases are small and run on the CPU through Triton's interpreter when no
+GPU is present; cases marked ``cuda`` use DeepSeek-V3's widths on a GPU, and one
+replays the decode from a CUDA graph after the plan's fixed buffers change.
+Tolerances: ``mla_cases.MLA_TOLERANCE`` (float32 3e-5, float16 3e-3, bfloat16 2e-2).
+Triton's interpreter (3.9) computes bfloat16 dots wrongly (a bfloat16 ``tl.dot`` after
+a cast gave errors of 1e10 in a 16x16 check), so its half-precision case is float16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mla_cases import (
+    MLA_TOLERANCE,
+    SMALL_SPEC,
+    assert_latents_written,
+    assert_mla_matches_oracle,
+    make_mla_case,
+    oracle_decode,
+    run_mla_case,
+)
+from triton_interpreter import DEVICE, HAS_CUDA
+
+from npu_attention import PlanBuffers, get_provider, plan
+from npu_attention.mla import LatentCache, MLASpec, mla_decode, mla_write_cache
+
+pytest.importorskip("triton")
+
+# name: (query_lens, context_lens, num_decodes, num_speculative_tokens)
+SMALL_CASES = {
+    "decode_only": ([1, 1, 1], [0, 37, 20], 3, 0),
+    "spec_decoding": ([3, 3, 2], [12, 40, 5], 3, 2),
+    "chunked_prefill": ([1, 1, 6, 9], [30, 4, 17, 0], 2, 0),
+    "spec_chunked": ([3, 1, 11], [9, 20, 6], 2, 2),
+}
+
+
+@pytest.fixture
+def triton_mla():
+    """The registry's triton MLA provider, its tunables restored afterwards."""
+    provider = get_provider("triton", DEVICE, family="mla")
+    saved = dict(vars(provider))
+    yield provider
+    vars(provider).update(saved)
+
+
+def _spec(dtype=torch.float32, **overrides) -> MLASpec:
+    return MLASpec(**{**SMALL_SPEC, "block_size": 16, "dtype": dtype, **overrides})
+
+
+@pytest.mark.parametrize("name", SMALL_CASES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_small_states_match_oracle(name: str, splits: int, triton_mla) -> None:
+    query_lens, context_lens, num_decodes, spec_tokens = SMALL_CASES[name]
+    triton_mla.fixed_kv_splits = splits
+    spec = _spec(num_speculative_tokens=spec_tokens)
+    case = make_mla_case(spec, query_lens, context_lens, num_decodes, pad_tokens=2, device=DEVICE)
+    decode_out, prefill_out, paged, step = run_mla_case(case, provider="triton")
+    assert step.provider_data.num_kv_splits == splits
+    assert_mla_matches_oracle(case, decode_out, prefill_out)
+    assert_latents_written(case, paged)
+
+
+@pytest.mark.parametrize("layout", ["planes", "interleaved"])
+def test_odd_widths_half_precision_and_cache_layouts(layout: str, triton_mla) -> None:
+    triton_mla.min_tokens_per_split, triton_mla.target_waves = 16, 10**4  # 4 splits: 50 // 16
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16
+    spec = _spec(dtype, num_heads=3, kv_lora_rank=48, qk_rope_head_dim=8, num_speculative_tokens=1)
+    case = make_mla_case(spec, [2, 1, 2], [50, 3, 17], 3, pad_tokens=1, seed=4, device=DEVICE)
+    decode_out, prefill_out, paged, _ = run_mla_case(case, provider="triton", layout=layout)
+    assert_mla_matches_oracle(case, decode_out, prefill_out)
+    assert_latents_written(case, paged)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("spec_tokens", [0, 3])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_deepseek_widths(num_heads: int, spec_tokens: int, block_size: int) -> None:
+    spec = MLASpec(
+        num_heads=num_heads,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        num_speculative_tokens=spec_tokens,
+    )
+    q = 1 + spec_tokens
+    case = make_mla_case(
+        spec, [q] * 5 + [40], [0, 7, 300, 1100, 64, 90], 5, pad_tokens=3, device="cuda"
+    )
+    decode_out, prefill_out, paged, _ = run_mla_case(case, provider="triton")
+    assert_mla_matches_oracle(case, decode_out, prefill_out)
+    assert_latents_written(case, paged)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_graph_replay_reads_the_refreshed_plan() -> None:
+    """Decode captured once with fixed buffers, replayed for a second step with other
+    lengths and pages: each replay matches the oracle of its own step."""
+    spec = _spec(torch.bfloat16, num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
+    buffers = PlanBuffers.allocate(4, 4, max_blocks_per_req=64, device="cuda")
+    cache = LatentCache(
+        torch.zeros(256, 16, 512, dtype=spec.dtype, device="cuda"),
+        torch.zeros(256, 16, 64, dtype=spec.dtype, device="cuda"),
+    )
+    cases = [
+        make_mla_case(spec, [1] * 4, [100, 5, 700, 33], 4, device="cuda", seed=1),
+        make_mla_case(spec, [1] * 4, [900, 250, 2, 64], 4, device="cuda", seed=2),
+    ]
+    q_latent, q_rope = cases[0].q_latent.clone(), cases[0].q_rope.clone()
+    out = torch.zeros_like(q_latent)
+    graph = torch.cuda.CUDAGraph()
+    for index, case in enumerate(cases):
+        paged = case.paged(np.random.default_rng(index))
+        cache.kv_c[: paged.num_blocks].copy_(paged.cache.kv_c.nan_to_num())
+        cache.k_pe[: paged.num_blocks].copy_(paged.cache.k_pe.nan_to_num())
+        tables = torch.zeros(4, 64, dtype=torch.int64)
+        tables[:, : paged.block_tables.shape[1]] = paged.block_tables
+        step = plan(
+            case.cu_seqlens_q,
+            case.seq_lens,
+            tables.cuda(),
+            paged.slot_mapping.cuda(),
+            4,
+            spec,
+            provider="triton",
+            buffers=buffers,
+        )
+        mla_write_cache(*case.new_latents(), cache, step)
+        q_latent.copy_(case.q_latent)
+        q_rope.copy_(case.q_rope)
+        if index == 0:
+            mla_decode(q_latent, q_rope, cache, step, out)  # compile outside the capture
+            with torch.cuda.graph(graph):
+                mla_decode(q_latent, q_rope, cache, step, out)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(
+            out.cpu().double(), oracle_decode(case), **MLA_TOLERANCE[torch.bfloat16]
+        )
