@@ -14,6 +14,14 @@ reference implementation of what the documentation says the op computes:
   causal), 4 (band: ``pre_tokens`` before and ``next_tokens`` after the
   bottom-right diagonal); modes 2 to 4 take the 2048x2048 mask, ``True`` above the
   diagonal; ``softmax_lse`` is ``[T, N, 1]`` float32 when asked for, else ``[1]``.
+- ``npu_fused_infer_attention_score_v2`` (+ ``.out``, ``_get_max_workspace``) in its
+  two documented MLA uses (``query_rope`` / ``key_rope`` given, ``TND``): the paged
+  absorbed call (query D 512, rope D 64, query N 32/64/128, key N 1, block size 16
+  or 128, 1 to 16 query tokens per request, ``sparse_mode`` 0 without a mask for
+  single-token requests and 3 with the 2048 mask otherwise, no LSE), scores
+  ``q . k + q_rope . k_rope`` and values ``value``; and the non-paged call (Q, K, V D
+  128, rope D 64, bfloat16 only, cumulative ``actual_seq_qlen`` / ``actual_seq_kvlen``,
+  ``sparse_mode`` 0 or 3).
 - ``npu_scatter_pa_kv_cache`` with ``cache_mode="Norm"`` (ND caches
   ``[num_blocks, block_size, N, D]``); slots must lie in ``[0, num_blocks * block_size)``.
 - ``npu_fusion_attention`` in ``TND`` with cumulative ``actual_seq_qlen/kvlen``.
@@ -52,6 +60,7 @@ SCATTER_CACHE_MODES = ("PA_NZ", "Norm")
 MASK_SIZE = 2048
 FIA_DTYPES = (torch.float16, torch.bfloat16)
 PAGED_BLOCK_SIZES = range(128, 513, 128)  # paged prompt attention: multiples of 128 up to 512
+MAX_TOKENS = 2147483647  # pre_tokens / next_tokens default
 
 
 class NotModeled(Exception):
@@ -327,6 +336,227 @@ def _fia_workspace(a: dict[str, Any]) -> torch.Tensor:
     return torch.empty(1, dtype=torch.uint8)
 
 
+# ---------------------------------------------------------------- fused infer attention v2 (MLA)
+
+MLA_QUERY_HEADS = (32, 64, 128)  # query N with query_rope and a query D of 512
+MLA_BLOCK_SIZES = (16, 128)  # page attention with query_rope, ND caches
+MLA_MAX_QUERY_TOKENS = 16  # query S per request with query_rope
+
+
+def _fia_v2_check(a: dict[str, Any]) -> None:
+    """The documented constraints of the two MLA uses of the v2 op (see module doc)."""
+    _expect(
+        a["input_layout"] in FIA_LAYOUTS,
+        f"input_layout {a['input_layout']!r} is not one of the documented layouts {FIA_LAYOUTS}",
+    )
+    _expect(
+        a["sparse_mode"] in FIA_SPARSE_MODES,
+        f"sparse_mode={a['sparse_mode']} is not documented (supported: {FIA_SPARSE_MODES})",
+    )
+    _expect(
+        (a["query_rope"] is None) == (a["key_rope"] is None),
+        "query_rope and key_rope must be given together",
+    )
+    if a["query_rope"] is None or a["input_layout"] != "TND":
+        raise NotModeled(f"the v2 op without query_rope, or in {a['input_layout']!r}")
+    names = ("query", "key", "value", "query_rope", "key_rope")
+    for name in names:
+        _expect(a[name].is_contiguous(), f"{name} must be contiguous")
+    query = a["query"]
+    _expect(
+        query.dtype in FIA_DTYPES, f"query dtype must be one of {FIA_DTYPES}, got {query.dtype}"
+    )
+    _expect(
+        all(a[name].dtype == query.dtype for name in names),
+        "query, key, value, query_rope and key_rope must share one dtype",
+    )
+    _expect(query.dim() == 3, f"TND query must be [T, N, D], got {tuple(query.shape)}")
+    _expect(
+        query.shape[1] == a["num_query_heads"],
+        f"num_query_heads={a['num_query_heads']} but query has {query.shape[1]} heads",
+    )
+    _expect(not a["return_softmax_lse"], "MLA with query_rope does not return the softmax LSE")
+    ends = a["actual_seq_qlen"]
+    _expect(ends is not None and len(ends) > 0, "TND needs actual_seq_qlen")
+    _expect(
+        all(e >= 0 for e in ends) and all(x <= y for x, y in itertools.pairwise(ends)),
+        f"TND actual_seq_qlen are cumulative (non-decreasing), got {list(ends)}",
+    )
+    _expect(
+        ends[-1] == query.shape[0],
+        f"TND actual_seq_qlen[-1] must equal T={query.shape[0]}, got {ends[-1]}",
+    )
+    _expect(
+        a["query_rope"].shape == (*query.shape[:2], 64),
+        f"query_rope must be {(*query.shape[:2], 64)} (rope D 64), got {tuple(a['query_rope'].shape)}",
+    )
+    if query.shape[2] == 512:
+        _check_mla_paged(a)
+    elif query.shape[2] == 128:
+        _check_mla_unpaged(a)
+    else:
+        raise SchemaViolation(
+            f"with query_rope the query D must be 512 or 128, got {query.shape[2]}"
+        )
+
+
+def _check_mla_sparse(a: dict[str, Any], several_tokens: bool) -> None:
+    """Paged (query D 512): one token per request takes sparse_mode 0 without a mask,
+    more take 3 with the mask; non-paged TND: 0 without a mask or 3 with it."""
+    if a["block_table"] is None:
+        _expect(a["sparse_mode"] in (0, 3), "TND MLA takes sparse_mode 0 or 3")
+    elif several_tokens:
+        _expect(
+            a["sparse_mode"] == 3,
+            "MLA with several query tokens per request takes sparse_mode=3 with the mask, "
+            f"got sparse_mode={a['sparse_mode']}",
+        )
+    else:
+        _expect(
+            a["sparse_mode"] == 0 and a["atten_mask"] is None,
+            "MLA with one query token per request takes sparse_mode=0 without a mask, got "
+            f"sparse_mode={a['sparse_mode']}",
+        )
+    if a["sparse_mode"] == 3:
+        _check_compressed_mask(a["atten_mask"], 3)
+    else:
+        _expect(a["atten_mask"] is None, "sparse_mode=0 with a mask is not modeled")
+
+
+def _check_mla_paged(a: dict[str, Any]) -> None:
+    query, key, value, key_rope, table = (
+        a["query"],
+        a["key"],
+        a["value"],
+        a["key_rope"],
+        a["block_table"],
+    )
+    _expect(table is not None, "with a query D of 512 page attention is required (block_table)")
+    _expect(
+        query.shape[1] in MLA_QUERY_HEADS,
+        f"with a query D of 512 the query N must be one of {MLA_QUERY_HEADS}, got {query.shape[1]}",
+    )
+    _expect(a["num_key_value_heads"] == 1, "with a query D of 512 the key N must be 1")
+    _expect(
+        key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
+    )
+    _expect(
+        a["block_size"] in MLA_BLOCK_SIZES,
+        f"MLA page attention takes block_size in {MLA_BLOCK_SIZES}, got {a['block_size']}",
+    )
+    _expect(
+        key.dim() == 3 and key.shape[1:] == (a["block_size"], 512),
+        f"paged key must be (blocknum, {a['block_size']}, 512), got {tuple(key.shape)}",
+    )
+    _expect(
+        key_rope.shape == (*key.shape[:2], 64),
+        f"key_rope must be {(*key.shape[:2], 64)}, got {tuple(key_rope.shape)}",
+    )
+    ends = list(a["actual_seq_qlen"])
+    lengths = [e - s for s, e in zip([0, *ends[:-1]], ends)]
+    _expect(
+        all(1 <= n <= MLA_MAX_QUERY_TOKENS for n in lengths),
+        f"MLA takes 1 to {MLA_MAX_QUERY_TOKENS} query tokens per request, got {lengths}",
+    )
+    _check_mla_sparse(a, max(lengths) > 1)
+    _expect(
+        table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == len(ends),
+        f"block_table must be int32 [{len(ends)}, max_blocks], got {table.dtype} {tuple(table.shape)}",
+    )
+    kv_lens = a["actual_seq_kvlen"]
+    capacity = table.shape[1] * a["block_size"]
+    _expect(
+        kv_lens is not None
+        and len(kv_lens) == len(ends)
+        and all(0 <= n <= capacity for n in kv_lens),
+        f"paged actual_seq_kvlen are per-request lengths <= {capacity} ({len(ends)} of them), "
+        f"got {kv_lens}",
+    )
+
+
+def _check_mla_unpaged(a: dict[str, Any]) -> None:
+    query, key, value, key_rope = a["query"], a["key"], a["value"], a["key_rope"]
+    _expect(a["block_table"] is None, "with a query D of 128 page attention is not supported")
+    _expect(query.dtype == torch.bfloat16, f"TND without paging takes bfloat16, got {query.dtype}")
+    _expect(
+        key.dim() == value.dim() == 3 and key.shape[2] == value.shape[2] == 128,
+        f"with query_rope the Q, K and V D must be 128, got key {tuple(key.shape)}, "
+        f"value {tuple(value.shape)}",
+    )
+    kv_heads = a["num_key_value_heads"] or a["num_query_heads"]
+    _expect(
+        key.shape[1] == value.shape[1] == kv_heads and a["num_query_heads"] % kv_heads == 0,
+        f"key/value N must be num_key_value_heads={kv_heads} dividing num_query_heads",
+    )
+    _expect(
+        key_rope.shape == (*key.shape[:2], 64),
+        f"key_rope must be {(*key.shape[:2], 64)}, got {tuple(key_rope.shape)}",
+    )
+    q_ends, kv_ends = list(a["actual_seq_qlen"]), a["actual_seq_kvlen"]
+    _expect(
+        kv_ends is not None and len(kv_ends) == len(q_ends) and len(q_ends) <= 4096,
+        "TND needs actual_seq_kvlen with as many (<= 4096) entries as actual_seq_qlen",
+    )
+    _expect(
+        all(x <= y for x, y in zip([0, *kv_ends], kv_ends)) and kv_ends[-1] == key.shape[0],
+        f"TND actual_seq_kvlen are cumulative ends reaching {key.shape[0]}, got {list(kv_ends)}",
+    )
+    _check_mla_sparse(a, True)
+
+
+def _fia_v2_compute(a: dict[str, Any]) -> torch.Tensor:
+    _fia_v2_check(a)
+    query, query_rope = a["query"], a["query_rope"]
+    q = torch.cat([query, query_rope], -1)
+    out = torch.zeros(*query.shape[:2], a["value"].shape[-1], dtype=torch.float32)
+    q_ends = list(a["actual_seq_qlen"])
+    paged = a["block_table"] is not None
+    key, value = torch.cat([a["key"], a["key_rope"]], -1), a["value"]
+    if paged:  # (blocknum, blocksize, H) with one KV head: rows of one token each
+        key, value = key.unsqueeze(2), value.unsqueeze(2)
+    kv_ends = list(a["actual_seq_kvlen"])
+    for b, (start, end) in enumerate(zip([0, *q_ends[:-1]], q_ends)):
+        if paged:
+            kv_len = kv_ends[b]
+            blocks = a["block_table"][b, : math.ceil(kv_len / a["block_size"])].long()
+            _expect(
+                bool((blocks >= 0).all()) and bool((blocks < key.shape[0]).all()),
+                f"block_table row {b} holds block ids outside [0, {key.shape[0]})",
+            )
+            k = key[blocks].reshape(-1, 1, key.shape[-1])[:kv_len]
+            v = value[blocks].reshape(-1, 1, value.shape[-1])[:kv_len]
+        else:
+            kv_start = kv_ends[b - 1] if b else 0
+            kv_len = kv_ends[b] - kv_start
+            k, v = key[kv_start : kv_start + kv_len], value[kv_start : kv_start + kv_len]
+        visible = visible_keys(end - start, kv_len, a["sparse_mode"], MAX_TOKENS, 0)
+        if kv_len:
+            out[start:end], _ = _softmax_attention(q[start:end], k, v, visible, a["softmax_scale"])
+    return out.to(query.dtype)
+
+
+def _fia_v2(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fia_v2_compute(a), torch.zeros(1, dtype=torch.float32)
+
+
+def _fia_v2_out(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _fia_v2(a)
+    attention_out, softmax_lse = a["out"]
+    _expect(
+        attention_out.shape == out.shape and attention_out.dtype == out.dtype,
+        f"attention_out must be {tuple(out.shape)} {out.dtype}, got "
+        f"{tuple(attention_out.shape)} {attention_out.dtype}",
+    )
+    _expect(softmax_lse.shape == lse.shape, f"softmax_lse must be {tuple(lse.shape)} (no LSE)")
+    attention_out.copy_(out)
+    return attention_out, softmax_lse
+
+
+def _fia_v2_workspace(a: dict[str, Any]) -> torch.Tensor:
+    _fia_v2_check(a)
+    return torch.empty(1, dtype=torch.uint8)
+
+
 # ---------------------------------------------------------------- KV cache write
 
 
@@ -433,6 +663,9 @@ IMPLEMENTATIONS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "npu_fused_infer_attention_score": _fia,
     "npu_fused_infer_attention_score.out": _fia_out,
     "_npu_fused_infer_attention_score_get_max_workspace": _fia_workspace,
+    "npu_fused_infer_attention_score_v2": _fia_v2,
+    "npu_fused_infer_attention_score_v2.out": _fia_v2_out,
+    "_npu_fused_infer_attention_score_v2_get_max_workspace": _fia_v2_workspace,
     "npu_scatter_pa_kv_cache": _scatter_pa_kv_cache,
     "npu_fusion_attention": _fusion_attention,
 }
