@@ -218,6 +218,8 @@ def _launch_config(
         num_stages=num_stages,
         num_splits=num_kv_splits if decode_tiles else 1,
         pack_gqa=decode_tiles or bool(params.get("pack_gqa", 1)),
+        tma=bool(params.get("tma", 0)),
+        warp_specialize=bool(params.get("warp_specialize", 0)),
     )
 
 

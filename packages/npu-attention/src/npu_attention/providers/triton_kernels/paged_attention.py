@@ -542,11 +542,17 @@ def paged_attention(
 
 def tma_supported(cache: torch.Tensor) -> bool:
     """Whether ``cache`` ``[num_blocks, block_size, kv_heads, head_size]`` can be read
-    through a tensor descriptor: a 16-bit dtype on a CUDA GPU of compute capability 9
-    or later, contiguous rows, 16-byte aligned base and strides."""
-    if cache.device.type != "cuda" or cache.element_size() != 2 or cache.dim() != 4:
+    through a tensor descriptor: on a CUDA GPU of compute capability 9 or later, with
+    a layout ``descriptor_layout_ok`` accepts."""
+    if cache.device.type != "cuda" or _compute_capability(cache.device.index or 0)[0] < 9:
         return False
-    if _compute_capability(cache.device.index or 0)[0] < 9:
+    return descriptor_layout_ok(cache)
+
+
+def descriptor_layout_ok(cache: torch.Tensor) -> bool:
+    """A 4-D cache of a 16-bit dtype with contiguous rows, a 16-byte aligned base and
+    16-byte multiples as the other strides (what a tensor descriptor requires)."""
+    if cache.element_size() != 2 or cache.dim() != 4:
         return False
     strides = cache.stride()
     return (
