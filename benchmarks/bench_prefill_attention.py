@@ -146,14 +146,46 @@ def tune(device: torch.device) -> dict[str, Any]:
     return {"launch": launch, "trials": trials}
 
 
+def tune_hopper(device: torch.device) -> list[dict[str, Any]]:
+    """Tile shapes x (tensor-descriptor K/V loads, warp specialization) at block size 128,
+    where every K/V tile lies in one page (the only case those paths apply to)."""
+    problem = PrefillProblem(*PROBLEMS["prefill"], device)
+    shapes = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2))
+    trials = []
+    for (block_m, block_n, warps, stages), (tma, ws) in itertools.product(
+        shapes, ((0, 0), (1, 0), (0, 1), (1, 1))
+    ):
+        provider = TritonProvider()
+        provider.prefill_launch = {
+            "block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+            "tma": tma, "warp_specialize": ws,
+        }  # fmt: skip
+        try:
+            result = measure(problem, provider, 128)
+        except Exception as error:  # a variant the compiler refuses, out of shared memory
+            print(f"skip {provider.prefill_launch}: {type(error).__name__}: {error}"[:300])
+            continue
+        trials.append({**provider.prefill_launch, **result})
+        print(trials[-1])
+    trials.sort(key=lambda t: -t["tflops"])
+    _timing.print_table(list(trials[0]), trials[:10])
+    return trials
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="sweep launch parameters first")
+    parser.add_argument(
+        "--tune-hopper", action="store_true", help="only sweep the TMA / warp-specialized paths"
+    )
     parser.add_argument(
         "--once", action="store_true", help="run the 8 x 2048 problem once (for a profiler)"
     )
     args = parser.parse_args()
     device = _timing.require_cuda()
+    if args.tune_hopper:
+        _timing.write_json("prefill_hopper_sweep", {"trials": tune_hopper(device)})
+        return
     if args.once:
         problem = PrefillProblem(*PROBLEMS["prefill"], device)
         problem.paged_runner(TritonProvider(), 128)()
