@@ -228,6 +228,7 @@ def test_decode_with_kv_splits_matches_dense_reference() -> None:
     provider = TritonProvider()
     provider.min_tokens_per_split = 16
     provider.target_waves = 64
+    provider.min_unsplit_fill = float("inf")
     batch = Batch(small_spec(), [1, 1], [70, 9], num_decodes=2, pad_tokens=1)
     batch.plan.provider_data = provider.prepare(batch.plan)
     assert batch.plan.provider_data.num_kv_splits > 1
@@ -268,7 +269,8 @@ def test_encoder_attention_without_cache_reads_key_value() -> None:
 def test_prepare_chooses_decode_tiles_only_for_decode_states() -> None:
     decode = Batch(small_spec(), [1, 1], [5, 5], num_decodes=2)
     mixed = Batch(small_spec(), [1, 4], [5, 5], num_decodes=1)
-    assert decode.plan.provider_data == TritonStepData(decode_tiles=True, num_kv_splits=1)
+    assert decode.plan.provider_data.decode_tiles
+    assert decode.plan.provider_data.num_kv_splits == 1
     assert mixed.plan.provider_data == TritonStepData(decode_tiles=False, num_kv_splits=1)
 
 
@@ -446,6 +448,35 @@ def test_gpu_forced_kv_splits(num_kv_splits: int) -> None:
     spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
     batch = Batch(spec, [1] * 5, [0, 1, 31, 600, 3000], num_decodes=5, pad_tokens=3)
     batch.plan.provider_data = TritonStepData(decode_tiles=True, num_kv_splits=num_kv_splits)
+    assert_matches_reference(batch, batch.run())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("num_reqs", "query_len", "expected"),
+    [  # on an H100 (132 multiprocessors), 8 KV heads: (splits > 1, one_wave)
+        (1, 1, (True, False)),  # split over the context, default tiles
+        (16, 1, (False, True)),  # 128 programs: one wave of wide tiles
+        (16, 4, (False, True)),  # spec decode, one wave
+        (24, 1, (False, False)),  # 192 programs: unsplit, default tiles
+    ],
+)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_decode_launch_choices(
+    num_reqs: int, query_len: int, expected: tuple, head_size: int, block_size: int
+) -> None:
+    """Every decode launch the heuristics pick on this GPU, against the reference."""
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the expected choices are an H100's")
+    spec = AttentionSpec(
+        32, 8, head_size, block_size=block_size, dtype=torch.bfloat16,
+        num_speculative_tokens=query_len - 1,
+    )  # fmt: skip
+    context = [3000] + [(97 * r) % 700 for r in range(1, num_reqs)]
+    batch = Batch(spec, [query_len] * num_reqs, context, num_decodes=num_reqs, pad_tokens=2)
+    step = batch.plan.provider_data
+    assert (step.num_kv_splits > 1, step.one_wave) == expected
     assert_matches_reference(batch, batch.run())
 
 

@@ -34,11 +34,14 @@ class TritonStepData:
 
     ``decode_tiles``: one program per request and KV head (every request has at
     most ``1 + num_speculative_tokens`` query tokens); ``num_kv_splits``: programs
-    along each decode request's keys (1 = no split).
+    along each decode request's keys (1 = no split); ``one_wave``: an unsplit decode
+    whose programs fit one per multiprocessor, launched with the wider
+    ``decode_launch_one_wave`` tiles.
     """
 
     decode_tiles: bool
     num_kv_splits: int
+    one_wave: bool = False
 
 
 class TritonProvider(AttentionProvider):
@@ -48,6 +51,9 @@ class TritonProvider(AttentionProvider):
         min_tokens_per_split: a decode request's keys are split only into shares
             of at least this many tokens.
         target_waves: decode launches aim for this many programs per multiprocessor.
+        min_unsplit_fill: a decode of at least this many programs (requests x KV
+            heads) per multiprocessor is not split (a merge pass costs more than
+            the idle multiprocessors).
     """
 
     name: ClassVar[str] = "triton"
@@ -59,12 +65,27 @@ class TritonProvider(AttentionProvider):
     def __init__(self) -> None:
         self.min_tokens_per_split = 128
         self.target_waves = 2
+        self.min_unsplit_fill = 0.75
         self.decode_launch: dict[str, int] = {"block_n": 64, "num_warps": 2, "num_stages": 3}
+        # One program per multiprocessor: wider K/V tiles keep more bytes in flight.
+        self.decode_launch_one_wave: dict[str, int] = {
+            "block_n": 128,
+            "num_warps": 4,
+            "num_stages": 3,
+        }
         self.prefill_launch: dict[str, int] = {
             "block_m": 128,
             "block_n": 128,
             "num_warps": 8,
             "num_stages": 3,
+        }
+        # Pages smaller than a K/V tile of ``prefill_launch``: keys are gathered row by
+        # row, and tiles of one warpgroup with a shallower pipeline did better on an H100.
+        self.prefill_launch_small_pages: dict[str, int] = {
+            "block_m": 64,
+            "block_n": 64,
+            "num_warps": 4,
+            "num_stages": 2,
         }
 
     @classmethod
@@ -82,12 +103,14 @@ class TritonProvider(AttentionProvider):
 
     def prepare(self, plan: AttentionPlan) -> TritonStepData:
         decode_tiles = plan.state in _DECODE_STATES
-        num_kv_splits = 1
+        num_kv_splits, one_wave = 1, False
         if decode_tiles:
             num_kv_splits = self._num_kv_splits(
                 plan.num_reqs, plan.spec.num_kv_heads, plan.max_seq_len, plan.device
             )
-        return TritonStepData(decode_tiles=decode_tiles, num_kv_splits=num_kv_splits)
+            programs = plan.num_reqs * plan.spec.num_kv_heads
+            one_wave = num_kv_splits == 1 and programs <= _multiprocessor_count(plan.device)
+        return TritonStepData(decode_tiles, num_kv_splits, one_wave)
 
     def write_kv(
         self,
@@ -151,7 +174,7 @@ class TritonProvider(AttentionProvider):
             plan.cu_seqlens_q,
             plan.seq_lens,
             block_tables,
-            config=self._launch_config(spec, decode_tiles, step.num_kv_splits),
+            config=self._launch_config(spec, decode_tiles, step.num_kv_splits, step.one_wave),
             decode_tiles=decode_tiles,
             scale=spec.softmax_scale,
             causal=spec.causal,
@@ -161,19 +184,24 @@ class TritonProvider(AttentionProvider):
         )
 
     def _launch_config(
-        self, spec: AttentionSpec, decode_tiles: bool, num_kv_splits: int
+        self, spec: AttentionSpec, decode_tiles: bool, num_kv_splits: int, one_wave: bool = False
     ) -> AttentionLaunchConfig:
-        return _launch_config(
-            spec,
-            decode_tiles,
-            num_kv_splits,
-            tuple(sorted((self.decode_launch if decode_tiles else self.prefill_launch).items())),
-        )
+        if not decode_tiles:
+            launch = self.prefill_launch
+            if spec.block_size % launch["block_n"]:
+                launch = self.prefill_launch_small_pages
+        elif one_wave and num_kv_splits == 1:
+            launch = self.decode_launch_one_wave
+        else:
+            launch = self.decode_launch
+        return _launch_config(spec, decode_tiles, num_kv_splits, tuple(sorted(launch.items())))
 
     def _num_kv_splits(
         self, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
     ) -> int:
         programs = max(1, num_reqs * num_kv_heads)
+        if programs >= self.min_unsplit_fill * _multiprocessor_count(device):
+            return 1
         by_occupancy = -(-self.target_waves * _multiprocessor_count(device) // programs)
         by_length = -(-max_seq_len // self.min_tokens_per_split)
         return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
@@ -220,6 +248,7 @@ def _launch_config(
         pack_gqa=decode_tiles or bool(params.get("pack_gqa", 1)),
         tma=bool(params.get("tma", 0)),
         warp_specialize=bool(params.get("warp_specialize", 0)),
+        overlap_scores=bool(params.get("overlap_scores", 0)),
     )
 
 
