@@ -120,6 +120,8 @@ def tune(device: torch.device) -> dict[str, Any]:
         (128, 128, 8, 2),
         (128, 128, 8, 3),
         (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 128, 4, 2),
         (64, 64, 4, 2),
         (64, 64, 4, 3),
         (64, 128, 4, 2),
@@ -133,42 +135,56 @@ def tune(device: torch.device) -> dict[str, Any]:
             "num_warps": warps,
             "num_stages": stages,
         }
-        provider.prefill_launch = launch
+        provider.prefill_launch = provider.prefill_launch_small_pages = launch
         try:
             result = measure(problem, provider, 128)
+            result16 = measure(problem, provider, 16)
         except Exception as error:  # e.g. out of shared memory
             print(f"skip {launch}: {type(error).__name__}")
             continue
-        trials.append({**launch, "tflops": result["tflops"]})
+        trials.append({**launch, "tflops": result["tflops"], "tflops_bs16": result16["tflops"]})
         print(trials[-1])
+    keys = ("pack_gqa", "block_m", "block_n", "num_warps", "num_stages")
     best = max(trials, key=lambda t: t["tflops"])
-    launch = {k: best[k] for k in ("pack_gqa", "block_m", "block_n", "num_warps", "num_stages")}
-    return {"launch": launch, "trials": trials}
+    best16 = max(trials, key=lambda t: t["tflops_bs16"])
+    return {
+        "launch": {k: best[k] for k in keys},
+        "launch_small_pages": {k: best16[k] for k in keys},
+        "trials": trials,
+    }
 
 
 def tune_hopper(device: torch.device) -> list[dict[str, Any]]:
-    """Tile shapes x (tensor-descriptor K/V loads, warp specialization) at block size 128,
-    where every K/V tile lies in one page (the only case those paths apply to)."""
+    """Tile shapes x (tensor-descriptor K/V loads, warp specialization, scores of the
+    next tile issued before the softmax) at block sizes 128 and 16 (descriptors and
+    warp specialization apply only where a K/V tile lies in one page)."""
     problem = PrefillProblem(*PROBLEMS["prefill"], device)
-    shapes = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2))
+    shapes = ((128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2))
+    variants = ((0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1), (1, 1, 0))
     trials = []
-    for (block_m, block_n, warps, stages), (tma, ws) in itertools.product(
-        shapes, ((0, 0), (1, 0), (0, 1), (1, 1))
+    for (block_m, block_n, warps, stages), (tma, ws, overlap) in itertools.product(
+        shapes, variants
     ):
-        provider = TritonProvider()
-        provider.prefill_launch = {
+        launch = {
             "block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
-            "tma": tma, "warp_specialize": ws,
+            "tma": tma, "warp_specialize": ws, "overlap_scores": overlap,
         }  # fmt: skip
-        try:
-            result = measure(problem, provider, 128)
-        except Exception as error:  # a variant the compiler refuses, out of shared memory
-            print(f"skip {provider.prefill_launch}: {type(error).__name__}: {error}"[:300])
-            continue
-        trials.append({**provider.prefill_launch, **result})
-        print(trials[-1])
-    trials.sort(key=lambda t: -t["tflops"])
-    _timing.print_table(list(trials[0]), trials[:10])
+        for block_size in (128, 16) if not (tma or ws) else (128,):
+            provider = TritonProvider()
+            for name, value in vars(provider).items():
+                if name.startswith("prefill_launch") and isinstance(value, dict):
+                    setattr(provider, name, dict(launch))
+            try:
+                result = measure(problem, provider, block_size)
+            except Exception as error:  # a variant the compiler refuses, out of shared memory
+                print(f"skip {launch}: {type(error).__name__}: {error}"[:300])
+                continue
+            trials.append({**launch, "block": block_size, **result})
+            print(trials[-1])
+    trials.sort(key=lambda t: (t["block"], -t["tflops"]))
+    for block_size in (128, 16):
+        best = [t for t in trials if t["block"] == block_size][:8]
+        _timing.print_table(list(best[0]), best)
     return trials
 
 
@@ -196,6 +212,7 @@ def main() -> None:
     tuning = tune(device) if args.tune else None
     if tuning:
         provider.prefill_launch = tuning["launch"]
+        provider.prefill_launch_small_pages = tuning["launch_small_pages"]
     rows = []
     for name, shape in PROBLEMS.items():
         problem = PrefillProblem(*shape, device)
@@ -226,7 +243,10 @@ def main() -> None:
         "prefill_attention",
         {
             "environment": _timing.environment(device),
-            "provider_settings": {"prefill_launch": provider.prefill_launch},
+            "provider_settings": {
+                "prefill_launch": provider.prefill_launch,
+                "prefill_launch_small_pages": provider.prefill_launch_small_pages,
+            },
             "tuning": tuning,
             "rows": rows,
         },

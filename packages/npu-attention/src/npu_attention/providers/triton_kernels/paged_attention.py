@@ -43,6 +43,8 @@ class AttentionLaunchConfig:
     descriptors (the copy engine of Hopper and later GPUs; ignored where
     ``tma_supported`` says no). ``warp_specialize``: ask the compiler to give the
     loads of the unmasked key loop their own warps (Hopper and later).
+    ``overlap_scores``: in the unmasked key loop, issue the scores of the next tile
+    before the softmax of this one, so the matrix units work during the softmax.
     """
 
     block_m: int
@@ -53,6 +55,7 @@ class AttentionLaunchConfig:
     pack_gqa: bool = True
     tma: bool = False
     warp_specialize: bool = False
+    overlap_scores: bool = False
 
 
 @triton.jit
@@ -215,6 +218,131 @@ def _attend_keys(
 
 
 @triton.jit
+def _key_tile(
+    k_ptr, k_desc, block_table_row, kv_token_base, start_n, kv_head,
+    stride_kb, stride_kt, stride_kd,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
+):  # fmt: skip
+    """Keys ``[start_n, start_n + BLOCK_N)``, all in range, as ``[HEAD_PAD, BLOCK_N]``."""
+    if DESCRIPTORS:
+        block = tl.load(block_table_row + start_n // BLOCK_SIZE)
+        tile = k_desc.load([block, start_n % BLOCK_SIZE, kv_head, 0])
+        keys = tile.reshape(BLOCK_N, HEAD_PAD).T
+    else:
+        rows = _tile_rows(
+            block_table_row, kv_token_base, start_n, stride_kb, stride_kt,
+            BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
+        )  # fmt: skip
+        offs_d = tl.arange(0, HEAD_PAD)
+        ptrs = k_ptr + rows[None, :] + offs_d[:, None] * stride_kd
+        if HEAD_SIZE != HEAD_PAD:
+            keys = tl.load(ptrs, mask=(offs_d < HEAD_SIZE)[:, None], other=0.0)
+        else:
+            keys = tl.load(ptrs)
+    return keys
+
+
+@triton.jit
+def _value_tile(
+    v_ptr, v_desc, block_table_row, kv_token_base, start_n, kv_head,
+    stride_vb, stride_vt, stride_vd,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
+):  # fmt: skip
+    """Values ``[start_n, start_n + BLOCK_N)``, all in range, as ``[BLOCK_N, HEAD_PAD]``."""
+    if DESCRIPTORS:
+        block = tl.load(block_table_row + start_n // BLOCK_SIZE)
+        tile = v_desc.load([block, start_n % BLOCK_SIZE, kv_head, 0])
+        values = tile.reshape(BLOCK_N, HEAD_PAD)
+    else:
+        rows = _tile_rows(
+            block_table_row, kv_token_base, start_n, stride_vb, stride_vt,
+            BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
+        )  # fmt: skip
+        offs_d = tl.arange(0, HEAD_PAD)
+        ptrs = v_ptr + rows[:, None] + offs_d[None, :] * stride_vd
+        if HEAD_SIZE != HEAD_PAD:
+            values = tl.load(ptrs, mask=(offs_d < HEAD_SIZE)[None, :], other=0.0)
+        else:
+            values = tl.load(ptrs)
+    return values
+
+
+@triton.jit
+def _tile_rows(
+    block_table_row, kv_token_base, start_n, stride_b, stride_t,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
+):  # fmt: skip
+    """Element offsets ``[BLOCK_N]`` of key rows ``start_n..`` in a cache of strides
+    ``(stride_b, stride_t)`` for (block, row in block)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if PAGE_TILES:  # the tile lies in one page
+        block = tl.load(block_table_row + start_n // BLOCK_SIZE).to(tl.int64)
+        rows = block * stride_b + (start_n % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_t
+    elif PAGED:
+        blocks = tl.load(block_table_row + offs_n // BLOCK_SIZE).to(tl.int64)
+        rows = blocks * stride_b + (offs_n % BLOCK_SIZE) * stride_t
+    else:
+        rows = (kv_token_base + offs_n).to(tl.int64) * stride_t
+    return rows
+
+
+@triton.jit
+def _attend_full_tiles_overlapped(
+    acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row, kv_token_base,
+    key_positions_start, key_positions_end,
+    stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+    qk_scale, soft_cap, k_desc, v_desc, kv_head,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """``_attend_keys`` over fully visible tiles, the scores of tile ``j + 1`` issued
+    before the softmax of tile ``j``: the matrix units compute while the softmax runs.
+    The last step computes its own tile's scores once more (never past the range)."""
+    DESCRIPTORS: tl.constexpr = TMA and PAGE_TILES
+    if key_positions_start < key_positions_end:
+        keys = _key_tile(
+            k_ptr, k_desc, block_table_row, kv_token_base, key_positions_start, kv_head,
+            stride_kb, stride_kt, stride_kd,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, DESCRIPTORS,
+        )  # fmt: skip
+        scores = tl.dot(q, keys, input_precision=DOT_PRECISION)
+        last = key_positions_end - BLOCK_N
+        for start_n in range(key_positions_start, key_positions_end, BLOCK_N):
+            next_keys = _key_tile(
+                k_ptr, k_desc, block_table_row, kv_token_base,
+                tl.minimum(start_n + BLOCK_N, last), kv_head, stride_kb, stride_kt, stride_kd,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, DESCRIPTORS,
+            )  # fmt: skip
+            next_scores = tl.dot(q, next_keys, input_precision=DOT_PRECISION)
+            if USE_SOFT_CAP:  # from here on, scores are in log2 units
+                scores = _softcap(scores * qk_scale, soft_cap) * 1.4426950408889634
+                score_scale = 1.0
+            else:
+                score_scale = qk_scale
+            m_new = tl.maximum(m_i, tl.max(scores, 1) * score_scale)
+            p = tl.exp2(scores * score_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            values = _value_tile(
+                v_ptr, v_desc, block_table_row, kv_token_base, start_n, kv_head,
+                stride_vb, stride_vt, stride_vd,
+                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, DESCRIPTORS,
+            )  # fmt: skip
+            acc = tl.dot(
+                p.to(values.dtype), values, acc * alpha[:, None], input_precision=DOT_PRECISION
+            )
+            m_i = m_new
+            scores = next_scores
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -266,6 +394,7 @@ def _paged_attention_kernel(
     REQS_PAD: tl.constexpr,
     TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    OVERLAP_SCORES: tl.constexpr,
 ):
     head_group = tl.program_id(1)  # ROWS_PER_TOKEN query heads of one KV head
     kv_head = head_group // (QUERIES_PER_KV // ROWS_PER_TOKEN)
@@ -332,13 +461,22 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
-        query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window, k_desc, v_desc, kv_head,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, False,
-        CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, TMA, WARP_SPECIALIZE,
-    )  # fmt: skip
+    if OVERLAP_SCORES:
+        acc, l_i, m_i = _attend_full_tiles_overlapped(
+            acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            qk_scale, soft_cap, k_desc, v_desc, kv_head,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
+            USE_SOFT_CAP, DOT_PRECISION, TMA,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
+            query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            qk_scale, soft_cap, window, k_desc, v_desc, kv_head,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, False,
+            CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, TMA, WARP_SPECIALIZE,
+        )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
@@ -520,6 +658,7 @@ def paged_attention(
         REQS_PAD=0 if decode_tiles else _request_lookup_width(num_reqs),
         TMA=k_desc is not None,
         WARP_SPECIALIZE=config.warp_specialize,
+        OVERLAP_SCORES=config.overlap_scores,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
