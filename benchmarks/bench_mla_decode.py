@@ -1,0 +1,179 @@
+"""MLA decode (triton provider, absorbed) vs torch matmul-softmax-matmul, and vs copy bandwidth.
+
+Problem: DeepSeek-V3 attention on one device of a tensor-parallel 8 deployment:
+16 query heads, kv_lora_rank 512, rope 64 (a latent row of 576 bf16 values,
+1152 bytes per token), one query token per request, context 4096, batch 1, 64 and
+256; the paged latent cache has block size 64 over permuted pages. ``--heads 128``
+runs the whole model's heads instead.
+
+Bandwidth = latent-cache bytes read (batch x context x 1152) / time. Baselines
+measured in the same run: a device-to-device copy (bytes read + written), and
+torch's ``bmm -> softmax -> bmm`` over the same latents gathered beforehand into a
+contiguous ``[batch, context, 576]`` tensor (the gather not timed). Both timed as
+CUDA-graph replays, the L2 cache cleared before each replay. The triton row is the
+provider's default launch; ``--tune`` also times a small grid of launches (block
+heads/keys, warps, stages, splits) and prints the best.
+
+    python benchmarks/bench_mla_decode.py [--heads 16] [--tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Any
+
+import _timing  # first: puts the packages' src on sys.path
+import torch
+
+from npu_attention import plan
+from npu_attention.mla import MLASpec, allocate_latent_cache, mla_decode
+
+LATENT, ROPE, CONTEXT, BLOCK_SIZE, DTYPE = 512, 64, 4096, 64, torch.bfloat16
+BATCHES = (1, 64, 256)
+
+
+class Problem:
+    """Queries and a paged latent cache of one batch; the same latents contiguous."""
+
+    def __init__(self, spec: MLASpec, batch: int, device: torch.device) -> None:
+        gen = torch.Generator(device=device).manual_seed(batch)
+        pages = CONTEXT // BLOCK_SIZE
+        order = torch.randperm(batch * pages, generator=gen, device=device) + 1
+        self.block_tables = order.view(batch, pages).to(torch.int32)
+        self.cache = allocate_latent_cache(1 + batch * pages, spec, device)
+        for plane in self.cache:
+            plane.normal_(generator=gen)
+        self.q_latent = torch.randn(batch, spec.num_heads, LATENT, generator=gen, device=device)
+        self.q_latent = self.q_latent.to(DTYPE)
+        self.q_rope = torch.randn(batch, spec.num_heads, ROPE, generator=gen, device=device)
+        self.q_rope = self.q_rope.to(DTYPE)
+        self.out = torch.empty_like(self.q_latent)
+        self.spec, self.batch = spec, batch
+        self.step = plan(
+            list(range(batch + 1)),
+            [CONTEXT] * batch,
+            self.block_tables,
+            torch.full((batch,), -1, dtype=torch.int64, device=device),
+            batch,
+            spec,
+            provider="triton",
+        )
+        # the baseline's input: latents gathered into [batch, context, 576]
+        rows = self.block_tables.long()
+        self.latent = torch.cat([self.cache.kv_c[rows], self.cache.k_pe[rows]], dim=-1)
+        self.latent = self.latent.view(batch, CONTEXT, LATENT + ROPE)
+        self.query = torch.cat([self.q_latent, self.q_rope], dim=-1)  # [batch, heads, 576]
+
+    @property
+    def latent_bytes(self) -> int:
+        return self.batch * CONTEXT * (LATENT + ROPE) * DTYPE.itemsize
+
+    def triton(self) -> torch.Tensor:
+        return mla_decode(self.q_latent, self.q_rope, self.cache, self.step, self.out)
+
+    def torch_baseline(self) -> torch.Tensor:
+        scores = torch.bmm(self.query, self.latent.transpose(1, 2)).float()
+        probs = torch.softmax(scores * self.spec.softmax_scale, dim=-1).to(DTYPE)
+        return torch.bmm(probs, self.latent[..., :LATENT])
+
+
+def time_row(problem: Problem, name: str, fn, copy_bw: float, **extra: Any) -> dict[str, Any]:
+    ms = _timing.graph_median_ms(fn)
+    bandwidth = problem.latent_bytes / (ms * 1e-3)
+    return {
+        "batch": problem.batch,
+        "kernel": name,
+        "us": ms * 1e3,
+        "GB/s": bandwidth / 1e9,
+        "of_copy": bandwidth / copy_bw,
+        **extra,
+    }
+
+
+def launch_grid(batch: int) -> list[dict[str, Any]]:
+    """The launches ``--tune`` tries: tile shapes at the default split count, then
+    other split counts at the default tile."""
+    tiles = [
+        dict(block_n=block_n, num_warps=warps, num_stages=stages)
+        for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3))
+    ]
+    splits = [dict(fixed_kv_splits=n) for n in ((8, 32, 64) if batch == 1 else (1, 4))]
+    return tiles + splits
+
+
+def tuned_rows(problem: Problem, copy_bw: float) -> list[dict[str, Any]]:
+    provider = problem.step.provider
+    saved = dict(vars(provider))
+    rows = []
+    for launch in launch_grid(problem.batch):
+        vars(provider).update(saved)
+        vars(provider).update(launch)
+        problem.step.provider_data = provider.prepare(problem.step)
+        splits = problem.step.provider_data.num_kv_splits
+        config = f"n{provider.block_n} w{provider.num_warps} s{provider.num_stages} splits={splits}"
+        try:
+            rows.append(time_row(problem, "triton", problem.triton, copy_bw, config=config))
+        except Exception as error:  # a launch the compiler or the GPU refuses
+            print(f"skipped {config}: {type(error).__name__}: {str(error)[:80]}")
+    vars(provider).update(saved)
+    problem.step.provider_data = provider.prepare(problem.step)
+    return sorted(rows, key=lambda row: row["us"])[:3]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--tune", action="store_true")
+    args = parser.parse_args()
+    device = _timing.require_cuda()
+    spec = MLASpec(
+        num_heads=args.heads,
+        kv_lora_rank=LATENT,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=128,
+        block_size=BLOCK_SIZE,
+        dtype=DTYPE,
+    )
+    copy_bw = _timing.copy_bandwidth(device)
+    print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    rows, best = [], []
+    for batch in BATCHES:
+        problem = Problem(spec, batch, device)
+        error = (problem.triton().float() - problem.torch_baseline().float()).abs().max().item()
+        splits = problem.step.provider_data.num_kv_splits
+        rows.append(
+            time_row(problem, "triton", problem.triton, copy_bw, splits=splits, max_err=error)
+        )
+        rows.append(time_row(problem, "torch bmm", problem.torch_baseline, copy_bw))
+        if args.tune:
+            best.extend(tuned_rows(problem, copy_bw))
+        del problem
+        torch.cuda.empty_cache()
+    columns = ["batch", "kernel", "us", "GB/s", "of_copy", "splits", "max_err"]
+    _timing.print_table(columns, rows)
+    if best:
+        print("\nbest launches (--tune):")
+        _timing.print_table(["batch", "config", "us", "GB/s", "of_copy"], best)
+    _timing.write_json(
+        f"mla_decode_h{args.heads}",
+        {
+            "problem": {
+                "heads": args.heads,
+                "kv_lora_rank": LATENT,
+                "rope": ROPE,
+                "context": CONTEXT,
+                "block_size": BLOCK_SIZE,
+                "dtype": str(DTYPE),
+            },
+            "environment": _timing.environment(device),
+            "copy_bandwidth_bytes_per_s": copy_bw,
+            "rows": rows,
+            "tuned": best,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
