@@ -83,6 +83,7 @@ def _pytest(session: nox.Session, *paths: str, default_args: tuple[str, ...] = (
         *paths,
         "-ra",
         "--timeout=1200",
+        "--durations=15",
         *args,
         env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
     )
