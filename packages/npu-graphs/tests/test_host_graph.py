@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -246,3 +248,35 @@ def test_finished_graphs_keep_no_intermediates(host):
     assert graph.nbytes() == 0
     assert 2 * one <= graph.peak_transient_bytes <= 3 * one
     torch.testing.assert_close(host.replay(graph), chain())
+
+
+def test_tasks_recorded_whole_keep_no_capture_tensors(host):
+    """A finished graph whose task is recorded whole keeps none of the task's
+    capture-time arguments or outputs; an update swaps only its host arguments."""
+    x = torch.randn(128, 128)
+    one = 128 * 128 * 4
+
+    def scaled(y, out, *, factor):
+        torch.mul(y, factor, out=out)
+        return out
+
+    def forward():
+        y = torch.tanh(x)  # an intermediate the task reads
+        out = torch.empty_like(y)
+        stream = host.current_stream()
+        result, handle = host.record_task(graph, stream, scaled, (y, out), {}, {"factor": 2.0})
+        forward.handle = handle
+        return result + 1
+
+    graph = host.new_graph()
+    with host.capture(graph):
+        captured = forward()
+    host.finish_capture(graph, captured)
+    assert graph.nbytes() == 0
+    assert graph.peak_transient_bytes <= 3 * one
+    torch.testing.assert_close(host.replay(graph), torch.tanh(x) * 2 + 1)
+
+    issue = SimpleNamespace(host_values={"factor": 3.0})  # what TaskRegistry hands over
+    host.update_tasks(graph, [(forward.handle, issue)])
+    torch.testing.assert_close(host.replay(graph), torch.tanh(x) * 3 + 1)
+    assert graph.nbytes() == 0

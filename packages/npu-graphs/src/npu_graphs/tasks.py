@@ -39,8 +39,8 @@ class UpdatableTask:
     """One captured task: the op, its static arguments, and how its step arguments are fed."""
 
     fn: Callable[..., Any]
-    args: tuple
-    kwargs: dict[str, Any]
+    args: tuple | None  # None: recorded whole by its backend, updated by host values only
+    kwargs: dict[str, Any] | None
     derive: Derive | None
     handle: Any  # backend task-group handle; None when the task has no host step values
     host_names: tuple[str, ...]
@@ -69,6 +69,11 @@ class TaskIssue:
 
     def __call__(self) -> object:
         task = self.task
+        if task.args is None:
+            raise RuntimeError(
+                "this task was recorded whole: its backend updates it through host_values "
+                "and never re-issues it"
+            )
         return task.fn(*task.args, **task.kwargs, **self.host_values, **task.buffers)
 
 
@@ -159,9 +164,14 @@ class TaskRegistry:
         finally:
             session.in_task = False
         captured_host = {} if grouped else {k: _freeze(v) for k, v in host.items()}
+        # A backend that records tasks whole updates them by their host values alone:
+        # keeping the capture-time arguments would keep the capture's activations alive.
+        if backend.records_tasks_whole and grouped:
+            args, kwargs = None, None
         task = UpdatableTask(
-            fn, args, dict(kwargs), derive, handle, tuple(host), buffers, captured_host
-        )
+            fn, args, None if kwargs is None else dict(kwargs), derive, handle, tuple(host),
+            buffers, captured_host,
+        )  # fmt: skip
         graph_tasks = self._pending_graph(session)
         if not graph_tasks.tasks:
             graph_tasks.capture_step = step

@@ -233,7 +233,7 @@ class _TaskUpdate:
     def commit(self) -> None:
         self.graph.ops[self.position].host = dict(self.host)
         if self.graph.program is not None:
-            self.graph.program.recompile(self.graph.ops, self.position, self.position + 1)
+            self.graph.program.set_task_host(self.graph.ops, self.position)
 
 
 class _GroupUpdate:

@@ -197,7 +197,10 @@ class HostProgram:
         self._set_releases()
         self.peak_transient_bytes = self._peak_bytes(ops)
         self._env: list = [None] * self.num_slots
-        kept_ops = {i for start, end in keep for i in range(start, end)}
+        # A task recorded whole is updated by its host arguments alone (set_task_host).
+        kept_ops = {
+            i for start, end in keep for i in range(start, end) if ops[i].kind is not Kind.TASK
+        }
         # Tensors that kept records still reference: their ids stay valid slot keys.
         self._kept = [t for i in kept_ops for t in tensor_leaves(_record_values(ops[i]))]
         kept_ids = {id(t) for t in self._kept}
@@ -250,6 +253,20 @@ class HostProgram:
         for index in range(start, end):
             self.steps[index] = self._compile(ops[index])
         self._set_releases()
+
+    def set_task_host(self, ops: list[Op], index: int) -> None:
+        """Swap in the host arguments of the task ``ops[index]`` after an update.
+
+        Host arguments hold no tensors the graph produced, so the step's slots and the
+        replay's liveness are unchanged: only those keyword arguments are replaced (the
+        record itself kept none of its capture-time tensors)."""
+        op, step = ops[index], self.steps[index]
+        if any(self._is_transient(t) for t in tensor_leaves(op.host)):
+            raise ValueError(
+                "a task's host arguments must not hold tensors the graph itself produced"
+            )
+        host = {k: self._template(v) for k, v in op.host.items()}
+        step.kwargs = {**step.kwargs, **host}
 
     def _set_releases(self) -> None:
         last_use: dict[int, int] = {}
