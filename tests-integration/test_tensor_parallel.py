@@ -36,14 +36,10 @@ TP_ENGINE = dict(
 )
 GRAPH_MODES = {
     "eager": {"enforce_eager": True},
-    "FULL_DECODE_ONLY": pytest.param(
-        {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="host graphs do not replay the tensor-parallel all-reduce "
-            "(c10d.allreduce_ is redispatched below the recorder, not recorded)",
-        ),
-    ),
+    "FULL_DECODE_ONLY": {
+        "enforce_eager": False,
+        "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"},
+    },
 }
 
 

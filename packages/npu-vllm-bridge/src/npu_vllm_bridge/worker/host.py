@@ -11,6 +11,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
+from npu_vllm_bridge.worker.host_collectives import record_all_reduce_whole
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -47,6 +48,11 @@ class HostWorker(CPUWorker):
     def init_device(self) -> None:
         super().init_device()
         self.model_runner = HostModelRunner(self.vllm_config, self.device)
+        if self.model_config.enforce_eager:
+            return
+        from vllm.distributed.parallel_state import get_tp_group
+
+        record_all_reduce_whole([get_tp_group().device_communicator])
 
     def determine_available_memory(self) -> int:
         """vLLM's CPU estimate of KV-cache memory, less the graphs' profiled memory."""
