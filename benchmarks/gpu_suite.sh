@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU benchmarks (and optionally the `cuda` tests) in one command, for one lease of
+# the GPU machine. Each part runs under its own time limit so that one slow part cannot
+# take the others' results with it; logs and benchmarks/results/*.json end up in
+# DEST (default: $OUT, else benchmarks/results/suite) as at most 8 files.
+#
+#   bash benchmarks/gpu_suite.sh sweep   # launch sweeps: prefill --tune-hopper, decode --sweep,
+#                                        # plan host time, decoder step, MLA decode --tune
+#   bash benchmarks/gpu_suite.sh final   # `-m cuda` tests, then every benchmark at its defaults
+#
+# Each mode stays under 580 s (the parts' limits add up to that), inside one 10-minute
+# command; a part cut off at its limit loses only its own JSON.
+set -u
+mode=${1:-final}
+cd "$(dirname "$0")/.."
+dest=${DEST:-${OUT:-benchmarks/results/suite}}
+mkdir -p "$dest" benchmarks/results
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=packages/npu-attention/src:packages/npu-graphs/src
+log="$dest/$mode.log"
+: >"$log"
+
+part() {  # part NAME SECONDS COMMAND...
+    local name=$1 seconds=$2
+    shift 2
+    echo "=== $name ($(date -u +%T), limit ${seconds}s): $*" | tee -a "$log"
+    local start=$SECONDS
+    timeout --kill-after=2 "$seconds" "$@" >>"$log" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - start))s" | tee -a "$log"
+}
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv >>"$log" 2>&1
+case $mode in
+    sweep)
+        part prefill_hopper 150 python benchmarks/bench_prefill_attention.py --tune-hopper
+        part decode_sweep 150 python benchmarks/bench_decode_attention.py --sweep
+        part plan_host 60 python benchmarks/bench_decoder_step.py --plan-only
+        part decoder_step 120 python benchmarks/bench_decoder_step.py --steps 30
+        part mla_decode 90 python benchmarks/bench_mla_decode.py --tune
+        ;;
+    final)
+        part tests 200 python -m pytest -q -m cuda -ra -p no:cacheprovider \
+            packages/npu-attention/tests packages/npu-graphs/tests
+        part prefill 90 python benchmarks/bench_prefill_attention.py
+        part decode 150 python benchmarks/bench_decode_attention.py
+        part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
+        part mla_decode 40 python benchmarks/bench_mla_decode.py
+        ;;
+    *)
+        echo "usage: $0 sweep|final" >&2
+        exit 2
+        ;;
+esac
+# One archive of the JSON results (the file count that comes back is limited).
+tar -czf "$dest/$mode-results.tar.gz" -C benchmarks/results \
+    $(cd benchmarks/results && ls *.json 2>/dev/null) 2>>"$log"
