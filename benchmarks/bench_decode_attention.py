@@ -150,6 +150,33 @@ def tune(device: torch.device) -> dict[str, Any]:
     }
 
 
+def pdl_sweep(device: torch.device) -> list[dict[str, Any]]:
+    """The provider's own choices with and without programmatic dependent launch
+    (``pdl``), block sizes 128 and 16."""
+    rows = []
+    for batch, context in ((1, 512), (1, 4096), (16, 512), (16, 4096), (64, 4096)):
+        problem = DecodeProblem(batch, context, device)
+        expected = problem.sdpa().float()
+        best_sdpa = min(
+            ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
+        )
+        for block_size, pdl in itertools.product(BLOCK_SIZES, (0, 1)):
+            provider = TritonProvider()
+            for name in ("decode_launch", "decode_launch_one_wave"):
+                setattr(provider, name, {**getattr(provider, name), "pdl": pdl})
+            result = measure(problem, provider, block_size, expected)
+            rows.append({
+                "batch": batch, "context": context, "block": block_size, "pdl": pdl,
+                "splits": result["kv_splits"], "us": result["ms"] * 1e3,
+                "best_sdpa_us": best_sdpa * 1e3, "vs_best_sdpa": best_sdpa / result["ms"],
+                "max_err": result["max_abs_err_vs_sdpa"],
+            })  # fmt: skip
+        del problem
+        torch.cuda.empty_cache()
+    _timing.print_table(list(rows[0]), rows)
+    return rows
+
+
 def sweep(device: torch.device) -> list[dict[str, Any]]:
     """Time every (launch, KV splits) pair on the latency-bound shapes (block size 128)."""
     rows = []
@@ -223,12 +250,15 @@ def main() -> None:
         "--profile", action="store_true", help="only list kernel times of batch 1 x 4096"
     )
     parser.add_argument(
-        "--sweep", action="store_true", help="only time launch x split choices, small batches"
+        "--sweep",
+        action="store_true",
+        help="only time pdl on/off, then launch x split choices, small batches",
     )
     args = parser.parse_args()
     device = _timing.require_cuda()
     if args.sweep:
-        _timing.write_json("decode_sweep", {"rows": sweep(device)})
+        pdl_rows = pdl_sweep(device)
+        _timing.write_json("decode_sweep", {"pdl_rows": pdl_rows, "rows": sweep(device)})
         return
     if args.profile:
         profile_kernels(device)

@@ -252,6 +252,31 @@ def test_decode_with_kv_splits_matches_dense_reference() -> None:
     assert_matches_reference(batch, batch.run(provider))
 
 
+def pdl_provider() -> TritonProvider:
+    """A provider whose every launch asks for programmatic dependent launch."""
+    provider = TritonProvider()
+    for name in ("decode_launch", "decode_launch_one_wave", "prefill_launch",
+                 "prefill_launch_small_pages"):  # fmt: skip
+        setattr(provider, name, {**getattr(provider, name), "pdl": 1})
+    return provider
+
+
+def test_programmatic_dependent_launch_is_left_out_where_unsupported() -> None:
+    """``pdl`` asks for a Hopper feature: the interpreter (and GPUs before compute
+    capability 9) run the same kernels without it."""
+    from npu_attention.providers.triton_kernels.paged_attention import pdl_supported
+
+    assert not pdl_supported(torch.device("cpu"))
+    provider = pdl_provider()
+    provider.min_tokens_per_split = 16
+    provider.target_waves = 64
+    provider.min_unsplit_fill = float("inf")
+    batch = Batch(small_spec(), [1, 1], [70, 9], num_decodes=2, pad_tokens=1)
+    batch.plan.provider_data = provider.prepare(batch.plan)
+    assert batch.plan.provider_data.num_kv_splits > 1
+    assert_matches_reference(batch, batch.run(provider))
+
+
 def test_packed_kv_cache_views_match_dense_reference() -> None:
     batch = Batch(small_spec(), [1, 6], [19, 11], num_decodes=1, packed_kv=True)
     assert not batch.key_cache.is_contiguous()
@@ -495,6 +520,51 @@ def test_gpu_decode_launch_choices(
     step = batch.plan.provider_data
     assert (step.num_kv_splits > 1, step.one_wave) == expected
     assert_matches_reference(batch, batch.run())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_kv_splits", [1, 2, 33])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_programmatic_dependent_launch(num_kv_splits: int, block_size: int) -> None:
+    """``pdl`` (the attention kernel waits for the kernel before it, the merge of a
+    split decode for the attention kernel): decode with and without splits, and a
+    mixed batch, right after the KV write that produced their keys."""
+    spec = AttentionSpec(32, 8, 128, block_size=block_size, dtype=torch.bfloat16)
+    provider = pdl_provider()
+    decode = Batch(spec, [1] * 5, [0, 1, 31, 600, 3000], num_decodes=5, pad_tokens=3)
+    decode.plan.provider_data = TritonStepData(decode_tiles=True, num_kv_splits=num_kv_splits)
+    assert_matches_reference(decode, decode.run(provider))
+    mixed = Batch(spec, [1, 1, 250, 33], [900, 5, 0, 300], num_decodes=2, pad_tokens=2, seed=3)
+    assert_matches_reference(mixed, mixed.run(provider))
+
+
+@pytest.mark.cuda
+def test_gpu_programmatic_dependent_launch_in_a_graph() -> None:
+    """A captured split decode with ``pdl``, replayed twice over new keys and queries."""
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    batch = Batch(spec, [1] * 3, [4000, 70, 1500], num_decodes=3, pad_tokens=1)
+    batch.plan.provider_data = TritonStepData(decode_tiles=True, num_kv_splits=16)
+    provider = pdl_provider()
+    out = torch.full_like(batch.query, float("nan"))
+    batch.run(provider)  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        provider.write_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.plan)
+        provider.attend(batch.query, batch.key_cache, batch.value_cache, batch.plan, out)
+    for seed in (1, 2):  # new queries and new keys/values of the decoded tokens
+        generator = torch.Generator().manual_seed(seed)
+        for tensor, dense in (
+            (batch.query, None),
+            (batch.key, batch.keys),
+            (batch.value, batch.values),
+        ):
+            fresh = torch.randn(tensor.shape, generator=generator).to(spec.dtype)
+            tensor.copy_(fresh)
+            for r, context in enumerate(batch.context_lens if dense else ()):
+                dense[r][context] = fresh[r]  # decode r's token sits at row r
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(batch, out)
 
 
 @pytest.mark.cuda

@@ -249,6 +249,7 @@ def _launch_config(
         tma=bool(params.get("tma", 0)),
         warp_specialize=bool(params.get("warp_specialize", 0)),
         overlap_scores=bool(params.get("overlap_scores", 0)),
+        pdl=bool(params.get("pdl", 0)),
     )
 
 

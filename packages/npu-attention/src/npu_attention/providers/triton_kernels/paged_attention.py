@@ -45,6 +45,10 @@ class AttentionLaunchConfig:
     loads of the unmasked key loop their own warps (Hopper and later).
     ``overlap_scores``: in the unmasked key loop, issue the scores of the next tile
     before the softmax of this one, so the matrix units work during the softmax.
+    ``pdl``: programmatic dependent launch (Hopper and later; ignored where
+    ``pdl_supported`` says no): each kernel of the launch may start while the kernel
+    before it in the stream finishes, and waits for that kernel's memory before its
+    first load; the merge of a split decode reads only its metadata before that wait.
     """
 
     block_m: int
@@ -56,6 +60,7 @@ class AttentionLaunchConfig:
     tma: bool = False
     warp_specialize: bool = False
     overlap_scores: bool = False
+    pdl: bool = False
 
 
 @triton.jit
@@ -395,7 +400,11 @@ def _paged_attention_kernel(
     TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     OVERLAP_SCORES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early: wait for the kernel before this one, let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     head_group = tl.program_id(1)  # ROWS_PER_TOKEN query heads of one KV head
     kv_head = head_group // (QUERIES_PER_KV // ROWS_PER_TOKEN)
     split = tl.program_id(2)
@@ -512,12 +521,15 @@ def _merge_splits_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
     # Padding tokens' partial rows exist (unwritten): read them along with the token
     # count rather than after it, and only skip the store.
     num_real_tokens = tl.load(cu_seqlens_q_ptr + num_reqs)
+    if PDL:  # the partials come from the kernel before this one (the metadata does not)
+        tl.extra.cuda.gdc_wait()
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
     s_mask = offs_s < num_splits
@@ -615,6 +627,7 @@ def paged_attention(
         )
     else:
         partial_out = partial_lse = out
+    use_pdl = config.pdl and pdl_supported(query.device)
     use_soft_cap = logits_soft_cap is not None
     qk_scale = scale if use_soft_cap else scale * _LOG2E  # soft cap: log2(e) after the cap
     _paged_attention_kernel[grid](
@@ -659,8 +672,10 @@ def paged_attention(
         TMA=k_desc is not None,
         WARP_SPECIALIZE=config.warp_specialize,
         OVERLAP_SCORES=config.overlap_scores,
+        PDL=use_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **_pdl_launch(use_pdl),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -675,7 +690,9 @@ def paged_attention(
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
             SPLITS_PAD=next_power_of_2(num_splits),
+            PDL=use_pdl,
             num_warps=4,
+            **_pdl_launch(use_pdl),
         )
 
 
@@ -686,6 +703,18 @@ def tma_supported(cache: torch.Tensor) -> bool:
     if cache.device.type != "cuda" or _compute_capability(cache.device.index or 0)[0] < 9:
         return False
     return descriptor_layout_ok(cache)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch: a CUDA GPU
+    of compute capability 9 or later (not the interpreter, not other backends)."""
+    return device.type == "cuda" and _compute_capability(device.index or 0)[0] >= 9
+
+
+def _pdl_launch(enabled: bool) -> dict[str, bool]:
+    """The launch option of programmatic dependent launch, only where it is used (other
+    backends and the interpreter may not know it)."""
+    return {"launch_pdl": True} if enabled else {}
 
 
 def descriptor_layout_ok(cache: torch.Tensor) -> bool:
