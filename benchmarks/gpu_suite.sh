@@ -33,9 +33,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv >>
 case $mode in
     sweep)
         part prefill_hopper 150 python benchmarks/bench_prefill_attention.py --tune-hopper
-        part decode_sweep 150 python benchmarks/bench_decode_attention.py --sweep
+        part decode_sweep 180 python benchmarks/bench_decode_attention.py --sweep
         part plan_host 60 python benchmarks/bench_decoder_step.py --plan-only
-        part decoder_step 120 python benchmarks/bench_decoder_step.py --steps 30
+        part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
         part mla_decode 90 python benchmarks/bench_mla_decode.py --tune
         ;;
     final)
