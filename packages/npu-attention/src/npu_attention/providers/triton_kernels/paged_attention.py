@@ -42,7 +42,8 @@ class AttentionLaunchConfig:
     one query head. ``tma``: load K/V tiles that lie in one page through tensor
     descriptors (the copy engine of Hopper and later GPUs; ignored where
     ``tma_supported`` says no). ``warp_specialize``: ask the compiler to give the
-    loads of the unmasked key loop their own warps (Hopper and later).
+    loads of the unmasked key loop their own warps (asked only of CUDA GPUs of compute
+    capability 9 or later).
     ``overlap_scores``: in the unmasked key loop, issue the scores of the next tile
     before the softmax of this one, so the matrix units work during the softmax.
     ``pdl``: programmatic dependent launch (Hopper and later; ignored where
@@ -670,7 +671,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         REQS_PAD=0 if decode_tiles else _request_lookup_width(num_reqs),
         TMA=k_desc is not None,
-        WARP_SPECIALIZE=config.warp_specialize,
+        WARP_SPECIALIZE=config.warp_specialize and _hopper_or_later(query.device),
         OVERLAP_SCORES=config.overlap_scores,
         PDL=use_pdl,
         num_warps=config.num_warps,
@@ -708,6 +709,11 @@ def tma_supported(cache: torch.Tensor) -> bool:
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can use programmatic dependent launch: a CUDA GPU
     of compute capability 9 or later (not the interpreter, not other backends)."""
+    return _hopper_or_later(device)
+
+
+def _hopper_or_later(device: torch.device) -> bool:
+    """A CUDA GPU of compute capability 9 or later."""
     return device.type == "cuda" and _compute_capability(device.index or 0)[0] >= 9
 
 
