@@ -288,3 +288,44 @@ def test_tasks_recorded_whole_keep_no_capture_tensors(host):
     host.update_tasks(graph, [(forward.handle, issue)])
     torch.testing.assert_close(host.replay(graph), torch.tanh(x) * 3 + 1)
     assert graph.nbytes() == 0
+
+
+def test_chained_graphs_read_the_inputs_they_are_given(host):
+    """Piecewise graphs: a piece's input is the previous piece's fresh output; its replay
+    reads that tensor (and views of it), not the one captured."""
+    from npu_graphs import GraphWrapper, RuntimeMode, graph_dispatch
+
+    weight = torch.randn(8, 8)
+    first = GraphWrapper(lambda x: torch.tanh(x @ weight), backend=host, mode=RuntimeMode.PIECEWISE)
+    second = GraphWrapper(
+        lambda y, x: (y[:, :4] * 2 + x[:, 4:], y), backend=host, mode=RuntimeMode.PIECEWISE
+    )
+
+    def step(x):
+        with graph_dispatch(RuntimeMode.PIECEWISE, x.shape[0]):
+            y = first(x)
+            return second(y, x)
+
+    def eager(x):
+        y = torch.tanh(x @ weight)
+        return y[:, :4] * 2 + x[:, 4:], y
+
+    for _ in range(2):  # capture, then replays on new inputs
+        for rows in (4, 2):
+            x = torch.randn(rows, 8)
+            for got, want in zip(step(x), eager(x)):
+                torch.testing.assert_close(got, want)
+    assert first.keys() == [4, 2] and second.keys() == [4, 2]
+
+
+def test_replay_checks_its_inputs(host):
+    x = torch.randn(4)
+    graph = host.new_graph()
+    with host.capture(graph):
+        out = x * 2
+    host.finish_capture(graph, out, [x])
+    torch.testing.assert_close(host.replay(graph, [x + 1]), (x + 1) * 2)
+    with pytest.raises(GraphReplayError, match="captured with 1 input tensors"):
+        host.replay(graph)
+    with pytest.raises(GraphReplayError, match=r"captured as \(4,\) torch.float32, replayed with"):
+        host.replay(graph, [torch.randn(5)])

@@ -264,7 +264,7 @@ def test_skipped_update_of_one_group_is_caught():
         wrapper(inputs.query)  # capture with step 0
     mixed = {"layer.0": per_layer_of[1]["layer.0"], "layer.1": per_layer_of[0]["layer.1"]}
     wrapper.tasks.update(descriptor, mixed, changed=True)
-    graph_out = wrapper.graphs.replay(descriptor).clone()
+    graph_out = wrapper.graphs.replay(descriptor, inputs.query).clone()
     with set_forward_context(per_layer_of[1], config):
         eager_out = wrapper(inputs.query)
     assert (graph_out - eager_out).abs().max() > 1e-3

@@ -140,7 +140,7 @@ class GraphWrapper:
                 return outputs
         elif self.debug_check_addresses:
             _check_addresses(self.name, entry, args, kwargs)
-        return self.replay(entry.key)
+        return self.replay(entry.key, *args, **kwargs)
 
     # -- capture ----------------------------------------------------------------------
     def capture(self, key: Hashable, *args: Any, **kwargs: Any) -> GraphEntry:
@@ -172,7 +172,7 @@ class GraphWrapper:
                 f"capture of {self.name} for key {key!r} in mode {self.mode.name} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        self.backend.finish_capture(graph, outputs)
+        self.backend.finish_capture(graph, outputs, _tensors(args, kwargs))
         if self.backend.weak_ref_outputs:
             outputs = tree_map(_weak(self.backend), outputs)
         entry = GraphEntry(key, graph, outputs, _addresses(args, kwargs), tuple(session.registries))
@@ -190,8 +190,11 @@ class GraphWrapper:
             return self.runnable(*args, **kwargs)
 
     # -- replay -----------------------------------------------------------------------
-    def replay(self, key: Hashable) -> Any:
+    def replay(self, key: Hashable, *args: Any, **kwargs: Any) -> Any:
         """Replay the graph of ``key`` (its tasks released if not updated); returns its outputs.
+
+        ``args``/``kwargs``: this call's arguments; backends that read their inputs at
+        replay (host) need them, device graphs read the captured addresses.
 
         Raises:
             KeyError: no graph for ``key``.
@@ -201,7 +204,10 @@ class GraphWrapper:
             raise KeyError(f"{self.name}: no graph captured for key {key!r}")
         for registry in entry.registries:
             registry.prepare_replay(key, entry.graph)
-        outputs = self.backend.replay(entry.graph)
+        if self.backend.replay_takes_inputs:
+            outputs = self.backend.replay(entry.graph, _tensors(args, kwargs))
+        else:
+            outputs = self.backend.replay(entry.graph)
         for registry in entry.registries:
             registry.finish_replay(key, entry.graph)
         entry.replays += 1
@@ -247,6 +253,10 @@ class GraphWrapper:
 
 def _weak(backend: GraphBackend) -> Callable[[Any], Any]:
     return lambda x: backend.weak_ref(x) if isinstance(x, torch.Tensor) else x
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
 
 
 def _addresses(args: tuple, kwargs: dict) -> tuple[int, ...]:

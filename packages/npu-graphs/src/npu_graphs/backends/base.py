@@ -40,6 +40,9 @@ class GraphBackend(abc.ABC):
     # Whether ``replay`` returns the graph's outputs afresh after ``finish_capture``
     # (host) instead of refreshing the tensors the capture returned (devices).
     replay_returns_outputs: ClassVar[bool] = False
+    # Whether ``replay`` reads the tensors it is given as the graph's inputs (host)
+    # instead of the addresses captured (devices: callers pass static buffers).
+    replay_takes_inputs: ClassVar[bool] = False
 
     # -- graphs ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -54,15 +57,17 @@ class GraphBackend(abc.ABC):
     def capture(self, graph: Any, *, pool: Any, stream: Any) -> contextlib.AbstractContextManager:
         """Context manager: work issued inside it is captured into ``graph``."""
 
-    def finish_capture(self, graph: Any, outputs: Any) -> None:
-        """Called once a capture succeeded, with what it returned: a backend whose graphs
-        own their intermediates may release all but ``outputs`` (device pools do not)."""
+    def finish_capture(self, graph: Any, outputs: Any, inputs: Sequence[torch.Tensor] = ()) -> None:
+        """Called once a capture succeeded, with what it returned and the tensors it was
+        called with: a backend whose graphs own their intermediates may release all but
+        ``outputs`` (device pools do not)."""
         return None
 
     @abc.abstractmethod
-    def replay(self, graph: Any) -> Any:
+    def replay(self, graph: Any, inputs: Sequence[torch.Tensor] | None = None) -> Any:
         """Launch the captured work of ``graph`` on the current stream; returns the
-        outputs if ``replay_returns_outputs``, else ``None``."""
+        outputs if ``replay_returns_outputs``, else ``None``. ``inputs``: this call's
+        tensors, in capture order (read only where ``replay_takes_inputs``)."""
 
     @abc.abstractmethod
     def is_capturing(self) -> bool:

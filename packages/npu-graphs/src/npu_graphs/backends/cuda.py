@@ -59,7 +59,7 @@ class CudaGraphBackend(GraphBackend):
         finally:
             self._capture_device = None
 
-    def replay(self, graph: Any) -> None:
+    def replay(self, graph: Any, inputs: Any = None) -> None:  # reads captured addresses
         graph.replay()
 
     def is_capturing(self) -> bool:

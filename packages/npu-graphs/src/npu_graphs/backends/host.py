@@ -152,7 +152,13 @@ class HostGraph:
     def num_ops(self) -> int:
         return len(self.ops)
 
-    def compile(self, outputs: Any = None, *, outputs_known: bool = False) -> None:
+    def compile(
+        self,
+        outputs: Any = None,
+        *,
+        outputs_known: bool = False,
+        inputs: Sequence[torch.Tensor] = (),
+    ) -> None:
         """Compile the recording for replay.
 
         Until the outputs are known every tensor the graph allocated is kept at its
@@ -161,7 +167,9 @@ class HostGraph:
         returns fresh outputs (see ``host_program``).
         """
         layout = Layout.of(self.ops, outputs_known)
-        self.program = HostProgram(self.ops, layout, keep=self.groups, outputs=outputs)
+        self.program = HostProgram(
+            self.ops, layout, keep=self.groups, outputs=outputs, inputs=inputs
+        )
 
     def nbytes(self) -> int:
         """Bytes this graph keeps between replays (outputs; tensors kept for task updates)."""
@@ -181,11 +189,12 @@ class HostGraph:
         """Bytes of intermediates live at once at the peak of a replay (from the pool)."""
         return self.program.peak_transient_bytes if self.program is not None else 0
 
-    def replay(self) -> Any:
-        """Run the recorded ops; returns the outputs (``None`` before ``finish_capture``)."""
+    def replay(self, inputs: Sequence[torch.Tensor] | None = None) -> Any:
+        """Run the recorded ops on ``inputs`` (the graph's input tensors, when
+        ``finish_capture`` named them); returns the outputs (``None`` before)."""
         if not self.captured or self.program is None:
             raise GraphReplayError("this host graph has not been captured (or its capture failed)")
-        return self.program.run()
+        return self.program.run(inputs)
 
     def stage_update(self, index: int, issue: Callable[[], object] | None) -> _GroupUpdate:
         """Re-issue task group ``index`` through ``issue``; ``commit()`` the result to apply it."""
@@ -412,6 +421,7 @@ class HostGraphBackend(GraphBackend):
     capture_executes = True
     records_tasks_whole = True
     replay_returns_outputs = True
+    replay_takes_inputs = True
 
     def __init__(self) -> None:
         self._graphs: weakref.WeakSet[HostGraph] = weakref.WeakSet()
@@ -461,13 +471,15 @@ class HostGraphBackend(GraphBackend):
                 raise TypeError(f"record_whole takes OpOverloads, got {type(op).__name__}")
             _WHOLE_OPS.add(op)
 
-    def finish_capture(self, graph: Any, outputs: Any) -> None:
+    def finish_capture(self, graph: Any, outputs: Any, inputs: Sequence[torch.Tensor] = ()) -> None:
         """Release what the capture allocated: from now on each replay computes its
-        intermediates and outputs afresh (only tensors task updates need are kept)."""
-        graph.compile(outputs, outputs_known=True)
+        intermediates and outputs afresh (only tensors task updates need are kept), and
+        reads the tensors it is given in place of ``inputs``, the captured ones (so a
+        graph fed by another graph's fresh outputs reads this step's)."""
+        graph.compile(outputs, outputs_known=True, inputs=inputs)
 
-    def replay(self, graph: Any) -> Any:
-        return graph.replay()
+    def replay(self, graph: Any, inputs: Sequence[torch.Tensor] | None = None) -> Any:
+        return graph.replay(inputs)
 
     def is_capturing(self) -> bool:
         return _ACTIVE is not None

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from npu_graphs.errors import GraphReplayError
+
 
 class Kind(enum.Enum):
     VIEW = "view"  # output aliases an input with fixed geometry
@@ -179,6 +181,9 @@ class HostProgram:
         keep: op index ranges whose records must keep their capture-time tensors.
         outputs: what the capture returned; a replay returns the same structure with
             this replay's tensors (``None``: nothing is returned).
+        inputs: the tensors the capture was called with; a replay reads the tensors
+            passed to :meth:`run` in their place (and views of them, recorded, in place
+            of the captured views).
     """
 
     def __init__(
@@ -187,10 +192,15 @@ class HostProgram:
         layout: Layout,
         keep: Iterable[tuple[int, int]] = (),
         outputs: Any = None,
+        inputs: Sequence[torch.Tensor] = (),
     ) -> None:
         self.layout = layout
         self._slots: dict[int, int] = {}  # id(capture-time tensor) -> slot
         self._frozen = False
+        # Capture-time tensors read from the replay's environment though their storage
+        # is external: the inputs and the recorded views of them.
+        self._bound: set[int] = {id(t) for t in inputs}
+        self._inputs = [(self._slot_of(t), t.shape, t.dtype) for t in inputs]
         self.steps: list[_Step | None] = [self._compile(op) for op in ops]
         self._outputs = _OutputTemplate(outputs, self._template)
         self.num_slots = len(self._slots)
@@ -203,14 +213,19 @@ class HostProgram:
         }
         # Tensors that kept records still reference: their ids stay valid slot keys.
         self._kept = [t for i in kept_ops for t in tensor_leaves(_record_values(ops[i]))]
+        self._forget_transients(ops, kept_ops)
         kept_ids = {id(t) for t in self._kept}
         self._slots = {i: s for i, s in self._slots.items() if i in kept_ids}
+        self._bound &= kept_ids
         self._frozen = True
-        self._forget_transients(ops, kept_ops)
 
     # -- compile ----------------------------------------------------------------------
     def _is_transient(self, tensor: torch.Tensor) -> bool:
         return storage_key(tensor) in self.layout.transient
+
+    def _in_env(self, tensor: torch.Tensor) -> bool:
+        """Read from the replay's environment: transient, an input or a view of one."""
+        return id(tensor) in self._bound or self._is_transient(tensor)
 
     def _slot_of(self, tensor: torch.Tensor) -> int:
         slot = self._slots.get(id(tensor))
@@ -222,7 +237,7 @@ class HostProgram:
 
     def _template(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return Slot(self._slot_of(value)) if self._is_transient(value) else value
+            return Slot(self._slot_of(value)) if self._in_env(value) else value
         if type(value) in (list, tuple) and any(isinstance(v, torch.Tensor) for v in value):
             items = [self._template(v) for v in value]
             if any(type(v) in (Slot, _Nested) for v in items):
@@ -231,10 +246,12 @@ class HostProgram:
 
     def _compile(self, op: Op) -> _Step | None:
         inputs = tensor_leaves((op.args, op.kwargs))
-        reads_transient = any(self._is_transient(t) for t in inputs)
-        if op.kind is Kind.VIEW and not reads_transient:
-            return None  # fixed geometry over storage that outlives the replay
+        reads_env = any(self._in_env(t) for t in inputs)
         outputs = tensor_leaves(op.outputs)
+        if op.kind is Kind.VIEW and (not reads_env or not outputs):
+            return None  # fixed geometry over storage that outlives the replay
+        if op.kind is Kind.VIEW:  # a view of an input: read from the environment too
+            self._bound.update(id(t) for t in outputs if not self._is_transient(t))
         if op.kind is Kind.ALLOC and not any(self._is_transient(t) for t in outputs):
             return None  # persistent allocation: the captured tensor is the storage
         args = tuple(self._template(a) for a in op.args)
@@ -242,7 +259,7 @@ class HostProgram:
         step = _Step(op.func, args, kwargs)
         step.single_output = isinstance(op.outputs, torch.Tensor)
         for leaf_index, leaf in enumerate(outputs):
-            if self._is_transient(leaf):
+            if self._in_env(leaf):
                 step.bind.append((leaf_index, self._slot_of(leaf)))
             elif op.kind in (Kind.COMPUTE, Kind.REFRESH, Kind.TASK):
                 step.copy.append((leaf_index, leaf))
@@ -317,7 +334,7 @@ class HostProgram:
 
     def _without_transients(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return Slot(-1) if self._is_transient(value) else value
+            return Slot(-1) if self._in_env(value) else value
         if type(value) in (list, tuple):
             return type(value)(self._without_transients(v) for v in value)
         if type(value) is dict:
@@ -325,9 +342,10 @@ class HostProgram:
         return value
 
     # -- replay -----------------------------------------------------------------------
-    def run(self) -> Any:
-        """Replay once; returns this replay's outputs (see ``outputs``)."""
+    def run(self, inputs: Sequence[torch.Tensor] | None = None) -> Any:
+        """Replay once on ``inputs``; returns this replay's outputs (see ``outputs``)."""
         env = self._env
+        self._bind_inputs(env, inputs)
         try:
             for step in self.steps:
                 if step is not None:
@@ -336,6 +354,23 @@ class HostProgram:
         finally:
             for index in range(len(env)):
                 env[index] = None
+
+    def _bind_inputs(self, env: list, inputs: Sequence[torch.Tensor] | None) -> None:
+        if not self._inputs:
+            return
+        given = -1 if inputs is None else len(inputs)
+        if given != len(self._inputs):
+            raise GraphReplayError(
+                f"this graph was captured with {len(self._inputs)} input tensors and reads "
+                f"them at replay; got {'none' if inputs is None else given}"
+            )
+        for index, ((slot, shape, dtype), tensor) in enumerate(zip(self._inputs, inputs)):
+            if tensor.shape != shape or tensor.dtype != dtype:
+                raise GraphReplayError(
+                    f"input {index}: captured as {tuple(shape)} {dtype}, "
+                    f"replayed with {tuple(tensor.shape)} {tensor.dtype}"
+                )
+            env[slot] = tensor
 
     def kept_bytes(self) -> int:
         """Bytes of transient storage that records keep for task updates."""

@@ -127,7 +127,7 @@ class NpuGraphBackend(GraphBackend):
         finally:
             self._capturing = None
 
-    def replay(self, graph: Any) -> None:
+    def replay(self, graph: Any, inputs: Any = None) -> None:  # reads captured addresses
         stream = torch.npu.current_stream()
         graph.replay()
         if self._replay_done is None:
