@@ -2,6 +2,11 @@
 
 from npu_attention._version import __version__
 from npu_attention.buffers import PlanBuffers
+from npu_attention.context_parallel import (
+    dcp_local_seq_lens,
+    merge_attention_states,
+    plan_context,
+)
 from npu_attention.mla import (
     LatentCache,
     MLASpec,
@@ -35,11 +40,14 @@ __all__ = [
     "PlanBuffers",
     "__version__",
     "available_providers",
+    "dcp_local_seq_lens",
     "get_provider",
+    "merge_attention_states",
     "mla_decode",
     "mla_prefill",
     "mla_write_cache",
     "plan",
+    "plan_context",
     "register_provider",
     "run",
     "supported_head_sizes",

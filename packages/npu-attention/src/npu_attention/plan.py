@@ -135,9 +135,29 @@ def plan(
     if not isinstance(spec, StepSpec):
         raise TypeError(f"spec must be an AttentionSpec or an MLASpec, got {type(spec).__name__}")
     host = _host_arrays(cu_seqlens_q, seq_lens)
+    _inputs.check_seq_lens(host.seq_lens, host.query_lens, host.context_lens)
+    return build_plan(
+        host, block_tables, slot_mapping, num_decodes, spec, device, provider, buffers, num_blocks
+    )
+
+
+def build_plan(
+    host: HostArrays,
+    block_tables: Any,
+    slot_mapping: Any,
+    num_decodes: int,
+    spec: AttentionSpec,
+    device: torch.device | str | None,
+    provider: str | None,
+    buffers: PlanBuffers | None,
+    num_blocks: int | None,
+) -> AttentionPlan:
+    """``plan`` from checked host arrays (``npu_attention.context_parallel`` builds
+    plans whose ``seq_lens`` count only cached keys through here)."""
     max_query_len = int(host.query_lens.max(initial=0))
     max_seq_len = int(host.seq_lens.max(initial=0))
-    _inputs.check_seq_lens(host.seq_lens, host.query_lens, host.context_lens, max_seq_len)
+    if max_seq_len >= 2**31:
+        raise ValueError(f"seq_lens must fit in int32, got {max_seq_len}")
     max_context_len = int(host.context_lens.max(initial=0))
     num_decodes = _inputs.check_decodes(num_decodes, host.query_lens, spec)
     tables, slots = _tables_and_slots(

@@ -16,6 +16,7 @@ def run(
     value_cache: torch.Tensor | None,
     plan: AttentionPlan,
     out: torch.Tensor,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for one layer of the step described by ``plan``; returns ``out``.
 
@@ -30,6 +31,10 @@ def run(
             attends over its own ``key``/``value`` rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``.
         plan: from ``npu_attention.plan`` for this step.
         out: ``[num_tokens, num_heads, head_size]``, ``spec.dtype``, written in place.
+        lse: optional float32 ``[num_tokens, num_heads]``: when given, row ``t`` gets the
+            natural-log log-sum-exp of query ``t``'s scaled (and soft-capped) scores over
+            the keys it sees, ``log(sum_j exp(s_tj))``, what ``merge_attention_states``
+            takes. A row that sees no key gets ``-inf`` and an ``out`` row of zeros.
 
     The new K/V of token ``t < plan.num_actual_tokens`` is written at
     ``plan.slot_mapping[t]`` unless that slot is negative (padding). Rows of
@@ -44,8 +49,32 @@ def run(
     provider = plan.provider
     if key is not None and key_cache is not None:
         provider.write_kv(key, value, key_cache, value_cache, plan)
-    provider.attend(query, key_cache, value_cache, plan, out, key, value)
+    if lse is None:
+        provider.attend(query, key_cache, value_cache, plan, out, key, value)
+    else:
+        _check_lse(lse, plan)
+        provider.attend(query, key_cache, value_cache, plan, out, key, value, lse=lse)
     return out
+
+
+def _check_lse(lse: torch.Tensor, plan: AttentionPlan) -> None:
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse must have dtype torch.float32, got {lse.dtype}")
+    heads = plan.spec.num_heads
+    if lse.dim() != 2 or lse.shape[1] != heads or lse.shape[0] < plan.num_actual_tokens:
+        raise ValueError(
+            f"lse must have shape [>= num_actual_tokens={plan.num_actual_tokens}, {heads}], "
+            f"got {tuple(lse.shape)}"
+        )
+    if lse.device != plan.device:
+        raise ValueError(f"lse must be on {plan.device}, got {lse.device}")
+    if not plan.provider.returns_lse:
+        raise ValueError(
+            f"attention provider {plan.provider.name!r} does not return the log-sum-exp "
+            "(lse=); plan with a provider whose returns_lse is True, e.g. 'reference'"
+        )
 
 
 def _check_run_inputs(

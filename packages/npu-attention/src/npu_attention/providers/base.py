@@ -28,6 +28,8 @@ class AttentionProvider(ABC):
     device_types: ClassVar[tuple[str, ...]]
     # Head sizes the provider's kernels take; ``plan`` refuses any other.
     head_sizes: ClassVar[tuple[int, ...]] = VLLM_HEAD_SIZES
+    # Whether ``attend`` can also write the rows' log-sum-exp (``lse=``).
+    returns_lse: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls) -> bool:
@@ -76,7 +78,13 @@ class AttentionProvider(ABC):
         out: torch.Tensor,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        *,
+        lse: torch.Tensor | None = None,
     ) -> None:
         """Write attention of ``query`` ``[tokens, heads, head_size]`` into ``out``
         (same shape). Reads K/V from the caches; when the caches are ``None``
-        (encoder attention without a cache) reads ``key``/``value`` directly."""
+        (encoder attention without a cache) reads ``key``/``value`` directly.
+
+        ``lse``: ``None``, or float32 ``[tokens, heads]`` that gets each real row's
+        natural-log log-sum-exp of its scores (``-inf``, with an ``out`` row of zeros,
+        for a row that sees no key)."""

@@ -71,6 +71,9 @@ class KVWrite:
 class ReferenceData:
     tiles: tuple[Tile, ...]
     kv_write: KVWrite
+    # int64 query tokens of requests with no key (``plan_context`` with a context
+    # length of 0): zeros in ``out``, ``-inf`` in ``lse``; None: there are none
+    keyless_tokens: torch.Tensor | None = None
 
 
 class ReferenceProvider(AttentionProvider):
@@ -79,6 +82,7 @@ class ReferenceProvider(AttentionProvider):
     name: ClassVar[str] = "reference"
     device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     head_sizes: ClassVar[tuple[int, ...]] = VLLM_HEAD_SIZES  # plain PyTorch: any size works
+    returns_lse: ClassVar[bool] = True
 
     def prepare(self, plan: AttentionPlan) -> ReferenceData:
         host = plan.host_arrays
@@ -88,7 +92,7 @@ class ReferenceProvider(AttentionProvider):
             for requests in _request_groups(host, plan.num_decodes)
             for tile in _group_tiles(plan, host, requests)
         )
-        return ReferenceData(tiles, _kv_write(plan))
+        return ReferenceData(tiles, _kv_write(plan), _keyless_tokens(plan, host))
 
     def write_kv(
         self,
@@ -118,9 +122,16 @@ class ReferenceProvider(AttentionProvider):
         out: torch.Tensor,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        *,
+        lse: torch.Tensor | None = None,
     ) -> None:
         spec = plan.spec
         heads, kv_heads, head_size = spec.num_heads, spec.num_kv_heads, spec.head_size
+        keyless = plan.provider_data.keyless_tokens
+        if keyless is not None:
+            out.index_fill_(0, keyless, 0.0)
+            if lse is not None:
+                lse.index_fill_(0, keyless, float("-inf"))
         for tile in plan.provider_data.tiles:
             kv_shape = (tile.batch, tile.key_len, kv_heads, head_size)
             if key_cache is None:
@@ -138,7 +149,13 @@ class ReferenceProvider(AttentionProvider):
                 spec.softmax_scale,
                 spec.logits_soft_cap,
                 tile.past_end,
+                return_lse=lse is not None,
             )
+            if lse is not None:
+                rows, row_lse = rows
+                if tile.out_rows is not None:
+                    row_lse = row_lse.index_select(0, tile.out_rows)
+                lse.index_copy_(0, tile.out_tokens, row_lse)
             if tile.out_rows is not None:
                 rows = rows.index_select(0, tile.out_rows)
             out.index_copy_(0, tile.out_tokens, rows.to(out.dtype))
@@ -152,7 +169,9 @@ def masked_attention(
     scale: float,
     soft_cap: float | None,
     past_end: torch.Tensor | None = None,
-) -> torch.Tensor:
+    *,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Batched attention in float32.
 
     Args:
@@ -164,7 +183,9 @@ def masked_attention(
             (zeroed first, since a hidden key's weight 0 times NaN is NaN).
 
     Returns:
-        float32 ``[b * lq, heads, value_size]`` (rows with no visible key are NaN).
+        float32 ``[b * lq, heads, value_size]`` (rows with no visible key are NaN);
+        with ``return_lse``, also the rows' natural-log log-sum-exp of their scores,
+        float32 ``[b * lq, heads]``, and rows with no visible key are 0 (LSE ``-inf``).
     """
     b, lq, heads, head_size = query.shape
     lk, kv_heads, value_size = key.shape[1], key.shape[2], value.shape[3]
@@ -180,8 +201,14 @@ def masked_attention(
         scores = scores.div_(soft_cap).tanh_().mul_(soft_cap)
     scores = scores.view(b, kv_heads, group, lq, lk).masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, kv_heads, group * lq, lk)
+    if return_lse:
+        probs = probs.nan_to_num_(0.0)  # rows with no visible key: 0, not NaN
     out = torch.matmul(probs, v).view(b, kv_heads, group, lq, value_size)
-    return out.permute(0, 3, 1, 2, 4).reshape(b * lq, heads, value_size)
+    out = out.permute(0, 3, 1, 2, 4).reshape(b * lq, heads, value_size)
+    if not return_lse:
+        return out
+    lse = torch.logsumexp(scores, dim=-1)  # [b, kv_heads, group, lq]
+    return out, lse.permute(0, 3, 1, 2).reshape(b * lq, heads)
 
 
 def _float32_heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +220,7 @@ def _float32_heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def _request_groups(host: HostArrays, num_decodes: int) -> list[np.ndarray]:
     """Requests with query tokens, grouped: all decodes, then prefills by length class."""
-    has_query = host.query_lens > 0
+    has_query = (host.query_lens > 0) & (host.seq_lens > 0)
     decodes = np.flatnonzero(has_query[:num_decodes])
     groups = [decodes] if decodes.size else []
     prefills = num_decodes + np.flatnonzero(has_query[num_decodes:])
@@ -205,6 +232,15 @@ def _request_groups(host: HostArrays, num_decodes: int) -> list[np.ndarray]:
         bounds = np.flatnonzero(np.diff(keys[order])) + 1
         groups.extend(np.split(prefills[order], bounds))
     return groups
+
+
+def _keyless_tokens(plan: AttentionPlan, host: HostArrays) -> torch.Tensor | None:
+    """Query tokens of requests that see no key at all (``seq_lens`` 0), or None."""
+    keyless = np.flatnonzero((host.seq_lens == 0) & (host.query_lens > 0))
+    if keyless.size == 0:
+        return None
+    starts, ends = host.cu_seqlens_q[keyless], host.cu_seqlens_q[keyless + 1]
+    return _to(np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]), plan.device)
 
 
 def _length_class(lengths: np.ndarray) -> np.ndarray:

@@ -35,9 +35,10 @@ def check_model_and_options(vllm_config: VllmConfig) -> None:
 def _check_model(model_config) -> None:
     name = model_config.model
     if model_config.use_mla:
-        raise ValueError(
-            f"{PREFIX} does not support MLA (multi-head latent attention) models; {name} uses MLA"
-        )
+        from npu_vllm_bridge.platforms.mla_checks import check_mla_model
+
+        check_mla_model(model_config)
+        return
     if model_config.runner_type != "generate":
         raise ValueError(
             f"{PREFIX} runs generative decoder models only; {name} is a "
@@ -92,14 +93,11 @@ def _check_cache(vllm_config: VllmConfig) -> None:
 
 
 def _check_parallel_and_speculative(vllm_config: VllmConfig) -> None:
-    parallel = vllm_config.parallel_config
-    for option in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if getattr(parallel, option, 1) > 1:
-            raise ValueError(f"{PREFIX} does not support context parallelism ({option} > 1)")
-    if vllm_config.speculative_config is not None:
-        raise ValueError(
-            f"{PREFIX} does not support speculative decoding yet; remove speculative_config"
-        )
+    from npu_vllm_bridge.platforms.context_parallel_checks import check_context_parallel
+    from npu_vllm_bridge.platforms.speculative import check_speculative
+
+    check_context_parallel(vllm_config)
+    check_speculative(vllm_config)
     if vllm_config.kv_transfer_config is not None:
         raise ValueError(f"{PREFIX} does not support KV transfer connectors (kv_transfer_config)")
 
@@ -111,7 +109,9 @@ def backend_for_selector(selector: AttentionSelectorConfig) -> str:
 
     backend = NPUBridgeAttentionBackend
     if selector.use_mla:
-        raise ValueError(f"{PREFIX} does not support MLA (multi-head latent attention) layers")
+        from npu_vllm_bridge.platforms.mla_checks import mla_backend_for_selector
+
+        return mla_backend_for_selector(selector)
     if selector.use_sparse:
         raise ValueError(f"{PREFIX} does not support sparse attention layers")
     reasons = backend.validate_configuration(
