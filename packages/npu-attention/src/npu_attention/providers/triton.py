@@ -61,6 +61,9 @@ class TritonProvider(AttentionProvider):
     # The kernels pad the head dimension to the next power of two (HEAD_PAD) and mask
     # the padding lanes on every load and store, so non-power-of-two sizes run too.
     head_sizes: ClassVar[tuple[int, ...]] = VLLM_HEAD_SIZES
+    # The attention kernel (or, for split decodes, the merge of the splits) writes
+    # each row's natural-log LSE on the device when ``attend`` gets ``lse=``.
+    returns_lse: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.min_tokens_per_split = 128
@@ -142,6 +145,8 @@ class TritonProvider(AttentionProvider):
         out: torch.Tensor,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        *,
+        lse: torch.Tensor | None = None,
     ) -> None:
         from npu_attention.providers.triton_kernels import paged_attention
 
@@ -152,6 +157,8 @@ class TritonProvider(AttentionProvider):
                 f"out must match query ({tuple(query.shape)}, {query.dtype}), got "
                 f"({tuple(out.shape)}, {out.dtype})"
             )
+        if lse is not None:
+            _check_lse(lse, query, plan.num_actual_tokens)
         step = plan.provider_data
         if not isinstance(step, TritonStepData):
             step = self.prepare(plan)
@@ -181,6 +188,7 @@ class TritonProvider(AttentionProvider):
             sliding_window=spec.sliding_window,
             logits_soft_cap=spec.logits_soft_cap,
             paged=paged,
+            lse=lse,
         )
 
     def _launch_config(
@@ -269,6 +277,16 @@ def _check_tokens(
         )
     if tensor.dtype != dtype:
         raise TypeError(f"{label} must be {dtype}, got {tensor.dtype}")
+
+
+def _check_lse(lse: torch.Tensor, query: torch.Tensor, tokens: int) -> None:
+    heads = query.shape[1]
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse must be float32, got {lse.dtype}")
+    if lse.dim() != 2 or lse.shape[1] != heads or lse.shape[0] < tokens:
+        raise ValueError(f"lse must be [>= {tokens}, {heads}], got {tuple(lse.shape)}")
+    if lse.device != query.device:
+        raise ValueError(f"lse must be on {query.device}, got {lse.device}")
 
 
 def _check_caches(

@@ -15,6 +15,10 @@ each K/V tile is loaded once for all of them. Query token ``t`` of a request wit
   ``num_splits`` programs along the key axis; each split covers an equal share of
   the request's keys (read from ``seq_lens`` on the device) and writes a partial
   output and its log-sum-exp, which a second kernel merges.
+
+With ``lse`` given, each real query row also gets its log-sum-exp (natural log; the
+kernels keep scores in log2 units and convert on the store); a row that sees no key
+gets ``-inf`` and an output row of zeros.
 """
 
 from __future__ import annotations
@@ -356,6 +360,7 @@ def _paged_attention_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    lse_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -374,6 +379,8 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_od,
+    stride_lt,
+    stride_lh,
     stride_bt,
     qk_scale,
     soft_cap,
@@ -402,6 +409,7 @@ def _paged_attention_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     OVERLAP_SCORES: tl.constexpr,
     PDL: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     if PDL:  # launched early: wait for the kernel before this one, let the next one start
         tl.extra.cuda.gdc_wait()
@@ -495,16 +503,24 @@ def _paged_attention_kernel(
         CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, TMA, False,
     )  # fmt: skip
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key seen: l_i = 0, acc = 0
     out_mask = row_mask[:, None] & (offs_d < HEAD_SIZE)[None, :]
+    # log2 units (m_i is; l_i sums exp2 of scores less m_i); -inf where no key was seen.
+    # The natural-log LSE that callers get is this times ln(2) = 0.6931471805599453.
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     if SPLIT:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         row = (token * NUM_HEADS + head) * num_splits + split
         tl.store(partial_lse_ptr + row, lse, mask=row_mask)
         tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], out, mask=out_mask)
     else:
         dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
         tl.store(dst + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        if WRITE_LSE:
+            tl.store(
+                lse_ptr + token * stride_lt + head * stride_lh,
+                lse * 0.6931471805599453,
+                mask=row_mask,
+            )
 
 
 @triton.jit
@@ -512,17 +528,21 @@ def _merge_splits_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    lse_ptr,
     cu_seqlens_q_ptr,
     num_reqs,
     num_splits,
     stride_ot,
     stride_oh,
     stride_od,
+    stride_lt,
+    stride_lh,
     NUM_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     PDL: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -537,7 +557,8 @@ def _merge_splits_kernel(
     row = (token.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
     lse = tl.load(partial_lse_ptr + row, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
-    weights = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    finite_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - finite_max)
     denominator = tl.sum(weights, 0)
     partial = tl.load(
         partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
@@ -551,6 +572,11 @@ def _merge_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=(offs_d < HEAD_SIZE) & (token + 0 * offs_d < num_real_tokens),
     )
+    if WRITE_LSE:  # the splits' combined LSE; -inf where no split saw a key
+        safe = tl.where(denominator > 0.0, denominator, 1.0)
+        merged = tl.where(denominator > 0.0, finite_max + tl.log2(safe), float("-inf"))
+        dst_lse = lse_ptr + token.to(tl.int64) * stride_lt + head * stride_lh
+        tl.store(dst_lse, merged * 0.6931471805599453, mask=token < num_real_tokens)
 
 
 def paged_attention(
@@ -569,6 +595,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     paged: bool = True,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """Attention of ``query`` ``[tokens, heads, head_size]`` into ``out`` (same shape).
 
@@ -582,8 +609,11 @@ def paged_attention(
         config: tile shape; ``config.num_splits > 1`` needs ``decode_tiles``.
         decode_tiles: every request has at most ``config.block_m // (heads //
             kv_heads)`` query tokens; one program per request and KV head.
+        lse: optional float32 ``[>= cu_seqlens_q[-1], heads]`` (any strides): each real
+            row's natural-log log-sum-exp of its scaled (soft-capped) scores, ``-inf``
+            for a row that sees no key. With splits, the merge writes the combined LSE.
 
-    Rows of ``out`` past ``cu_seqlens_q[-1]`` are left untouched.
+    Rows of ``out`` (and ``lse``) past ``cu_seqlens_q[-1]`` are left untouched.
     """
     if not scale > 0.0:  # the kernel takes row maxima of unscaled scores
         raise ValueError(f"scale must be positive, got {scale}")
@@ -629,6 +659,8 @@ def paged_attention(
     else:
         partial_out = partial_lse = out
     use_pdl = config.pdl and pdl_supported(query.device)
+    write_lse = lse is not None
+    lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     use_soft_cap = logits_soft_cap is not None
     qk_scale = scale if use_soft_cap else scale * _LOG2E  # soft cap: log2(e) after the cap
     _paged_attention_kernel[grid](
@@ -638,6 +670,7 @@ def paged_attention(
         out,
         partial_out,
         partial_lse,
+        lse_arg,
         cu_seqlens_q,
         seq_lens,
         block_tables,
@@ -646,6 +679,7 @@ def paged_attention(
         *k_strides,
         *v_strides,
         *out.stride(),
+        *lse_strides,
         stride_bt,
         qk_scale,
         float(logits_soft_cap or 1.0),
@@ -674,6 +708,7 @@ def paged_attention(
         WARP_SPECIALIZE=config.warp_specialize and _hopper_or_later(query.device),
         OVERLAP_SCORES=config.overlap_scores,
         PDL=use_pdl,
+        WRITE_LSE=write_lse and not split,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **_pdl_launch(use_pdl),
@@ -683,15 +718,18 @@ def paged_attention(
             out,
             partial_out,
             partial_lse,
+            lse_arg,
             cu_seqlens_q,
             num_reqs,
             num_splits,
             *out.stride(),
+            *lse_strides,
             NUM_HEADS=num_heads,
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
             SPLITS_PAD=next_power_of_2(num_splits),
             PDL=use_pdl,
+            WRITE_LSE=write_lse,
             num_warps=4,
             **_pdl_launch(use_pdl),
         )
