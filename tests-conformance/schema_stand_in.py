@@ -654,9 +654,11 @@ def _fusion_attention(a: dict[str, Any]) -> tuple[Any, ...]:
         out[qs:qe], lse = _softmax_attention(
             query[qs:qe], key[ks:ke], value[ks:ke], visible, a["scale"]
         )
-        softmax_max[qs:qe] = lse  # stands in for the max/sum pair
+        softmax_max[qs:qe] = lse
+    # The documented pair satisfies LSE = softmax_max + log(softmax_sum); the stand-in
+    # answers max = LSE and sum = 1 (how the op splits the two is not modeled).
     empty = torch.empty(0)
-    return out.to(query.dtype), softmax_max, softmax_max.clone(), empty, 0, 0, 0
+    return out.to(query.dtype), softmax_max, torch.ones_like(softmax_max), empty, 0, 0, 0
 
 
 IMPLEMENTATIONS: dict[str, Callable[[dict[str, Any]], Any]] = {

@@ -29,6 +29,15 @@ Operators, one per job:
 - Attention without a cache (encoder, or a prefill run before caches exist):
   ``torch_npu.npu_fusion_attention`` in ``TND`` layout with cumulative
   ``actual_seq_qlen`` / ``actual_seq_kvlen``; a training op, not graph-capturable.
+- The log-sum-exp (``run(..., lse=)``, context parallelism): the paged call passes
+  ``softmax_lse_flag=True`` and writes ``softmax_lse`` straight into the caller's
+  ``lse`` viewed as ``[T, N, 1]`` float32 (the shape torch_npu documents for
+  ``TND``; ``[1]`` when the flag is off), natural log (``log(sum(exp(s - max))) +
+  max``). The no-cache call returns ``softmax_max`` and ``softmax_sum``
+  (``[T, N, 8]`` in ``TND``, the 8 lanes equal): ``lse = max + log(sum)`` of lane 0.
+  Known gap: what the fused op writes for a request with ``actual_seq_lengths_kv``
+  0 (a DCP rank holding none of its context) is not documented; ``run`` promises
+  ``-inf`` and zeros, which the stand-in models and hardware may not do.
 
 Unsupported here, refused with ``ValueError`` in ``prepare`` (once per step):
 ``logits_soft_cap`` (the fused op has no soft cap; a silent fallback would hide a
@@ -128,6 +137,7 @@ class AscendProvider(AttentionProvider):
     name: ClassVar[str] = "ascend"
     device_types: ClassVar[tuple[str, ...]] = ("npu",)
     head_sizes: ClassVar[tuple[int, ...]] = ASCEND_HEAD_SIZES
+    returns_lse: ClassVar[bool] = True  # softmax_lse_flag / softmax_max + softmax_sum
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
@@ -200,6 +210,8 @@ class AscendProvider(AttentionProvider):
         out: torch.Tensor,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        *,
+        lse: torch.Tensor | None = None,
     ) -> None:
         data = _step_data(plan)
         if key_cache is None or value_cache is None:
@@ -208,10 +220,10 @@ class AscendProvider(AttentionProvider):
                     "attend without caches needs key and value, got "
                     f"key={_kind(key)}, value={_kind(value)}"
                 )
-            self._attend_no_cache(query, key, value, plan, data, out)
+            self._attend_no_cache(query, key, value, plan, data, out, lse)
         else:
             _check_contiguous(key_cache, value_cache)
-            self._attend_paged(query, key_cache, value_cache, plan, data, out)
+            self._attend_paged(query, key_cache, value_cache, plan, data, out, lse)
 
     def _attend_paged(
         self,
@@ -221,6 +233,7 @@ class AscendProvider(AttentionProvider):
         plan: AttentionPlan,
         data: AscendStepData,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         npu = torch_npu_module()
         spec = plan.spec
@@ -239,21 +252,32 @@ class AscendProvider(AttentionProvider):
             num_key_value_heads=spec.num_kv_heads,
             sparse_mode=data.sparse_mode,
             block_size=block_size,
+            softmax_lse_flag=lse is not None,
         )
         q = query[:n].contiguous()
         k = key_cache.view(num_blocks, block_size, -1)
         v = value_cache.view(num_blocks, block_size, -1)
-        shape_key = (q.shape, k.shape, data.block_table.shape, q.dtype, q.device, spec)
+        shape_key = (
+            q.shape, k.shape, data.block_table.shape, q.dtype, q.device, spec, lse is not None
+        )  # fmt: skip
         workspace = self._workspaces.get(shape_key)
         if workspace is None:
             workspace = npu._npu_fused_infer_attention_score_get_max_workspace(q, k, v, **kwargs)
             self._workspaces[shape_key] = workspace
-        lse = self._lse.get(q.device)
-        if lse is None:
-            lse = self._lse[q.device] = torch.empty(1, dtype=torch.float32, device=q.device)
+        if lse is None:  # the op still takes an lse output: [1] with the flag off
+            softmax_lse = self._lse.get(q.device)
+            if softmax_lse is None:
+                softmax_lse = torch.empty(1, dtype=torch.float32, device=q.device)
+                self._lse[q.device] = softmax_lse
+        else:  # TND: [T, N, 1] float32, a view of the caller's rows when contiguous
+            softmax_lse = lse[:n].unsqueeze(-1)
+            if not softmax_lse.is_contiguous():
+                softmax_lse = torch.empty_like(softmax_lse, memory_format=torch.contiguous_format)
         npu.npu_fused_infer_attention_score.out(
-            q, k, v, **kwargs, workspace=workspace, out=[out[:n], lse]
+            q, k, v, **kwargs, workspace=workspace, out=[out[:n], softmax_lse]
         )
+        if lse is not None and softmax_lse.data_ptr() != lse.data_ptr():
+            lse[:n].copy_(softmax_lse.squeeze(-1))
 
     def _attend_no_cache(
         self,
@@ -263,6 +287,7 @@ class AscendProvider(AttentionProvider):
         plan: AttentionPlan,
         data: AscendStepData,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> None:
         spec = plan.spec
         n = data.num_actual_tokens
@@ -282,6 +307,8 @@ class AscendProvider(AttentionProvider):
             sparse_mode=data.sparse_mode,
         )
         out[:n].copy_(result[0])
+        if lse is not None:  # softmax_max, softmax_sum: [T, N, 8], lanes equal
+            torch.add(result[1][..., 0], torch.log(result[2][..., 0]), out=lse[:n])
 
     def _causal_mask(self, device: torch.device) -> torch.Tensor:
         """The shared 2048x2048 bool mask, ``True`` strictly above the diagonal."""
