@@ -30,11 +30,11 @@ LSE_TOLERANCE = dict(atol=2e-5, rtol=2e-5) if not HAS_CUDA else dict(atol=1e-4, 
 
 # (query_lens, context_lens, num_decodes, num_speculative_tokens) per batch state
 STATES = {
-    "prefill_no_cache": ([5, 17, 1], [0, 0, 0], 0, 0),
-    "prefill_cache_hit": ([3, 9], [21, 0], 0, 0),
+    "prefill_no_cache": ([5, 9, 1], [0, 0, 0], 0, 0),
+    "prefill_cache_hit": ([3, 6], [21, 0], 0, 0),
     "decode_only": ([1, 1, 1, 1], [1, 0, 40, 7], 4, 0),
     "spec_decoding": ([3, 2, 3], [12, 1, 33], 3, 2),
-    "chunked_prefill": ([1, 1, 6, 13], [30, 2, 11, 0], 2, 0),
+    "chunked_prefill": ([1, 1, 6, 5], [30, 2, 11, 0], 2, 0),
 }
 
 
