@@ -29,8 +29,9 @@ def test_fp8_kv_cache(checkpoints, tmp_path):
     assert "kv_cache_dtype='fp8'" in error and "not supported" in error
 
 
-def test_mla_model(tmp_path):
-    """A DeepSeek-V2-shaped config (MLA); the dummy loader needs no weights."""
+def test_mla_widths_the_provider_cannot_take(tmp_path):
+    """A DeepSeek-V2-shaped config (MLA) whose compressed KV is wider than the reference
+    MLA provider takes; the dummy loader needs no weights."""
     model = tmp_path / "deepseek-v2-mla"
     model.mkdir()
     config = {
@@ -42,7 +43,7 @@ def test_mla_model(tmp_path):
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
-        "kv_lora_rank": 64,
+        "kv_lora_rank": 2048,
         "q_lora_rank": None,
         "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 32,
@@ -56,7 +57,7 @@ def test_mla_model(tmp_path):
     }
     (model / "config.json").write_text(json.dumps(config))
     error = _refusal(model, tmp_path, enforce_eager=True, load_format="dummy")
-    assert "does not support MLA" in error
+    assert "'reference' MLA provider" in error and "kv_lora_rank=2048" in error
 
 
 @pytest.mark.parametrize("block_size", [24])

@@ -18,6 +18,14 @@ def _selector(**overrides) -> AttentionSelectorConfig:
     return AttentionSelectorConfig(**{**base, **overrides})
 
 
+def test_selector_serves_mla_layers_with_the_bridge_mla_backend():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    path = checks.backend_for_selector(_selector(use_mla=True, head_size=96, block_size=16))
+    assert path == "npu_vllm_bridge.attention.mla_backend.NPUBridgeMLABackend"
+    assert AttentionBackendEnum.CUSTOM.get_path() == path
+
+
 def test_selector_accepts_a_supported_layer_and_registers_custom():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -29,7 +37,8 @@ def test_selector_accepts_a_supported_layer_and_registers_custom():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"use_mla": True}, "does not support MLA"),
+        ({"use_mla": True, "use_sparse": True}, "does not support sparse MLA"),
+        ({"use_mla": True, "kv_cache_dtype": "fp8"}, "MLA cannot serve.*kv_cache_dtype"),
         ({"use_sparse": True}, "sparse attention"),
         (
             {"head_size": 48},
@@ -132,23 +141,56 @@ def test_fp8_kv_cache_is_refused(tmp_path):
         checks.check_model_and_options(config)
 
 
-def test_mla_model_is_refused(tmp_path):
-    model = _write_config(
-        tmp_path,
-        architectures=["DeepseekV2ForCausalLM"],
-        model_type="deepseek_v2",
-        kv_lora_rank=64,
-        q_lora_rank=None,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        first_k_dense_replace=2,
-    )
-    with pytest.raises(ValueError, match="does not support MLA"):
-        checks.check_model_and_options(_vllm_config(model))
+MLA_FIELDS = dict(
+    architectures=["DeepseekV2ForCausalLM"],
+    model_type="deepseek_v2",
+    kv_lora_rank=64,
+    q_lora_rank=None,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    first_k_dense_replace=2,
+)
+
+
+def test_mla_model_is_accepted(tmp_path):
+    config = _vllm_config(_write_config(tmp_path, **MLA_FIELDS))
+    assert config.model_config.use_mla
+    checks.check_model_and_options(config)
+
+
+def test_sparse_mla_model_is_refused(tmp_path):
+    config = _vllm_config(_write_config(tmp_path, **MLA_FIELDS))
+    config.model_config.hf_text_config.index_topk = 2048
+    with pytest.raises(ValueError, match=r"does not support sparse MLA \(index_topk=2048"):
+        checks.check_model_and_options(config)
+
+
+def test_mla_widths_the_provider_cannot_take_are_refused(tmp_path):
+    config = _vllm_config(_write_config(tmp_path, **{**MLA_FIELDS, "kv_lora_rank": 2048}))
+    with pytest.raises(
+        ValueError,
+        match=r"MLA layers of .* with the 'reference' MLA provider \(num_heads=4, "
+        r"kv_lora_rank=2048, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, "
+        r"block_size=16, dtype=torch.float32\): kv_lora_rank must be",
+    ):
+        checks.check_model_and_options(config)
+
+
+def test_mla_refusals_name_the_platforms_provider(tmp_path, monkeypatch):
+    """The ascend MLA provider takes only DeepSeek's widths (512 / 64 / 128 / 128)."""
+    from vllm.platforms import current_platform
+
+    from npu_attention.providers.ascend_mla import AscendMLAProvider
+
+    monkeypatch.setattr(type(current_platform), "attention_provider", "ascend", raising=False)
+    monkeypatch.setattr(AscendMLAProvider, "is_available", classmethod(lambda cls: True))
+    config = _vllm_config(_write_config(tmp_path, **MLA_FIELDS))
+    with pytest.raises(ValueError, match=r"'ascend' MLA provider.*kv_lora_rank=64.*needs"):
+        checks.check_model_and_options(config)
 
 
 def test_block_size_not_a_multiple_of_16_is_refused(tmp_path):

@@ -21,6 +21,7 @@ from vllm.model_executor.layers.attention import Attention
 
 from npu_graphs import GraphBackend, capture_all, get_backend
 from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.mla_tasks import count_own_mla_tasks
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name
 
 logger = init_logger(f"vllm.{__name__}")
@@ -43,7 +44,8 @@ class GraphRunnerMixin:
                 self.model,
                 self.vllm_config,
                 CUDAGraphMode.FULL,
-                num_attention_layers=len(layers),
+                num_attention_layers=len(layers)
+                + count_own_mla_tasks(self.vllm_config, self.model),
             )
 
     def capture_model(self) -> int:

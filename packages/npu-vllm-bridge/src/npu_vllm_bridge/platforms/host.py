@@ -46,7 +46,9 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         compilation = vllm_config.compilation_config
         capture_sizes = list(compilation.cudagraph_capture_sizes or [])
         requested_mode = compilation.mode
+        mla_settings = _mla_scheduling(vllm_config)
         super().check_and_update_config(vllm_config)  # empties the capture sizes
+        _restore_mla_scheduling(vllm_config, mla_settings)
         if compilation.cudagraph_mode != CUDAGraphMode.NONE:
             compilation.cudagraph_capture_sizes = capture_sizes
             _host_graph_compilation(compilation, requested_mode)
@@ -55,6 +57,39 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = HOST_WORKER
         _default_omp_threads_bind(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+
+
+def _mla_scheduling(vllm_config: VllmConfig) -> list[tuple[object, str, object]]:
+    """The chunked-prefill, prefix-caching, token-budget and block-size settings of an
+    MLA model, which ``CpuPlatform`` overrides for its own MLA kernels (no chunked
+    prefill or prefix caching, block size 16); the bridge's MLA runs all of them."""
+    model_config = vllm_config.model_config
+    if model_config is None or not model_config.use_mla:
+        return []
+    scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    names = [
+        (scheduler, "enable_chunked_prefill"),
+        (scheduler, "max_num_batched_tokens"),
+        (cache, "enable_prefix_caching"),
+    ]
+    if cache.user_specified_block_size:
+        names.append((cache, "block_size"))
+    return [(config, name, getattr(config, name)) for config, name in names]
+
+
+def _restore_mla_scheduling(
+    vllm_config: VllmConfig, settings: list[tuple[object, str, object]]
+) -> None:
+    """Undo ``CpuPlatform``'s MLA overrides (see :func:`_mla_scheduling`)."""
+    if not settings:
+        return
+    for config, name, value in settings:
+        setattr(config, name, value)
+    logger.info(
+        "npu-vllm-bridge host mode: MLA with chunked prefill %s and prefix caching %s",
+        "on" if vllm_config.scheduler_config.enable_chunked_prefill else "off",
+        "on" if vllm_config.cache_config.enable_prefix_caching else "off",
+    )
 
 
 def omp_threads_bind(cpus: list[int], ranks: int) -> str:

@@ -1,0 +1,247 @@
+"""vLLM ``CommonAttentionMetadata`` -> one MLA ``npu_attention`` plan per step.
+
+vLLM's MLA layer (``MLAAttention.forward_impl``) splits each step's rows itself: the
+first ``num_decode_tokens`` go to ``impl.forward_mqa`` (absorbed decode), the rest to
+``impl.forward_mha`` (prefill). The metadata here carries those counts for the layer
+and the step's plan for the impl.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+
+import npu_attention
+from npu_attention import AttentionPlan
+from npu_attention.mla import MLASpec
+from npu_vllm_bridge.attention.builder import attention_provider_name, cumulative
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
+
+
+@dataclass
+class MLARows:
+    """Rows of one kind (decode or prefill) in a step; vLLM's layer only checks presence."""
+
+    num_reqs: int
+    num_tokens: int
+
+
+@dataclass
+class BridgeMLAMetadata:
+    """What every MLA layer of one KV-cache group reads in one step.
+
+    Attributes:
+        plan: the step's ``npu_attention`` plan for an ``MLASpec``. Graph-padding
+            requests are in it with query length 0 and KV length 0.
+        num_actual_tokens: query rows in the step, graph padding included.
+        num_reqs: requests, graph padding included.
+        num_decodes: leading requests of at most ``1 + num_speculative_tokens`` query
+            tokens (graph-padding requests join them in a decode-only step).
+        num_decode_tokens: rows vLLM's layer sends to ``forward_mqa``; in a step without
+            prefills, every row (graph padding included, its output zero).
+        num_prefills: requests after the decodes.
+        decode, prefill: present when the step has rows of that kind (vLLM's layer asserts
+            ``decode is not None`` before ``forward_mqa``).
+        for_capture: built for graph capture (dummy batch of the longest context).
+    """
+
+    plan: AttentionPlan
+    num_actual_tokens: int
+    num_reqs: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    decode: MLARows | None
+    prefill: MLARows | None
+    for_capture: bool = False
+
+
+class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
+    """Builds a :class:`BridgeMLAMetadata` per step.
+
+    vLLM reorders each batch so that requests of at most ``reorder_batch_threshold``
+    query tokens (decodes; ``1 + num_speculative_tokens`` with speculative decoding)
+    come first. Graph support as for GQA attention: the decode task is re-issued
+    with each step's host arguments before replay, so one graph serves every
+    uniform decode batch of its size.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+
+    def __init__(
+        self,
+        kv_cache_spec: VllmAttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        self.max_decode_len = self.reorder_batch_threshold or 1
+        # With a drafter, vLLM's host seq_lens are only upper bounds: read the exact ones.
+        self.exact_seq_lens = vllm_config.speculative_config is not None
+        self.spec = mla_spec_for_layers(
+            kv_cache_spec, layer_names, vllm_config, self.max_decode_len - 1
+        )
+        self.provider = attention_provider_name()
+        model_config = vllm_config.model_config
+        self.max_model_len = model_config.max_model_len if model_config is not None else None
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        # Speculative decodes are uniform batches of 1 + k tokens per request.
+        if vllm_config.speculative_config is not None:
+            return AttentionCGSupport.UNIFORM_BATCH
+        return cls._cudagraph_support
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> BridgeMLAMetadata:
+        return self._build(common_attn_metadata, for_capture=False)
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> BridgeMLAMetadata:
+        """Plan the dummy capture batch as if every request held the longest context."""
+        return self._build(common_attn_metadata, for_capture=True)
+
+    def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeMLAMetadata:
+        block_tables = cm.block_table_tensor[: cm.num_reqs]
+        query_lens, seq_lens = host_lens(cm, exact=self.exact_seq_lens)
+        num_real = padding_requests_to_zero_kv(query_lens, seq_lens)
+        if for_capture:
+            longest = block_tables.shape[1] * self.spec.block_size
+            if self.max_model_len is not None:
+                longest = min(longest, self.max_model_len)
+            seq_lens = [max(longest, q) if q else 0 for q in query_lens]
+        num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
+        if num_decodes == num_real:
+            num_decodes = len(query_lens)  # graph padding joins a decode-only step
+        plan = npu_attention.plan(
+            cumulative(query_lens),
+            seq_lens,
+            block_tables,
+            cm.slot_mapping[: cm.num_actual_tokens],
+            num_decodes,
+            self.spec,
+            device=self.device,
+            provider=self.provider,
+        )
+        decode_rows = plan.num_decode_tokens if plan.num_prefills else cm.num_actual_tokens
+        return BridgeMLAMetadata(
+            plan=plan,
+            num_actual_tokens=cm.num_actual_tokens,
+            num_reqs=cm.num_reqs,
+            num_decodes=plan.num_decodes,
+            num_decode_tokens=decode_rows,
+            num_prefills=plan.num_prefills,
+            decode=MLARows(plan.num_decodes, decode_rows) if decode_rows else None,
+            prefill=(
+                MLARows(plan.num_prefills, plan.num_actual_tokens - plan.num_decode_tokens)
+                if plan.num_prefills
+                else None
+            ),
+            for_capture=for_capture,
+        )
+
+
+def host_lens(cm: CommonAttentionMetadata, exact: bool = False) -> tuple[list[int], list[int]]:
+    """Per-request query and sequence lengths as host lists. vLLM's host
+    ``seq_lens_cpu_upper_bound`` is exact without a drafter (no device sync); with
+    one, ``exact=True`` reads the device ``seq_lens``."""
+    cu = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+    query_lens = [end - start for start, end in itertools.pairwise(cu)]
+    seq_lens = None if exact else cm.seq_lens_cpu_upper_bound
+    if seq_lens is None:
+        seq_lens = cm.seq_lens.cpu()
+    return query_lens, seq_lens[: cm.num_reqs].tolist()
+
+
+def padding_requests_to_zero_kv(query_lens: list[int], seq_lens: list[int]) -> int:
+    """Give the trailing graph-padding requests (query length 0) KV length 0, in place,
+    and return the number of real requests before them."""
+    num_real = len(query_lens)
+    while num_real and query_lens[num_real - 1] == 0:
+        num_real -= 1
+    for i in range(num_real, len(query_lens)):
+        seq_lens[i] = 0
+    return num_real
+
+
+def count_leading_decodes(query_lens: list[int], max_decode_len: int) -> int:
+    """Requests of 1 to ``max_decode_len`` query tokens at the head of the batch."""
+    count = 0
+    for query_len in query_lens:
+        if not 1 <= query_len <= max_decode_len:
+            break
+        count += 1
+    return count
+
+
+def mla_spec_for_layers(
+    kv_cache_spec: VllmAttentionSpec,
+    layer_names: list[str],
+    vllm_config: VllmConfig,
+    num_speculative_tokens: int = 0,
+) -> MLASpec:
+    """The ``npu_attention`` ``MLASpec`` shared by the MLA layers of one KV-cache group.
+
+    Raises:
+        ValueError: no MLA layers of those names, or layers that disagree on heads,
+            widths or scale (one plan serves the whole group).
+    """
+    layers = vllm_config.compilation_config.static_forward_context
+    shapes = set()
+    for name in layer_names:
+        layer = layers.get(name)
+        if layer is None or not hasattr(layer, "kv_lora_rank"):
+            raise ValueError(f"no MLA attention layer named {name!r} in the model")
+        shapes.add(
+            (
+                layer.num_heads,
+                layer.kv_lora_rank,
+                layer.qk_nope_head_dim,
+                layer.qk_rope_head_dim,
+                layer.v_head_dim,
+                float(layer.scale),
+            )
+        )
+    if len(shapes) != 1:
+        raise ValueError(
+            "npu-vllm-bridge plans MLA once per KV-cache group, but the layers "
+            f"{sorted(layer_names)} differ in (num_heads, kv_lora_rank, qk_nope_head_dim, "
+            f"qk_rope_head_dim, v_head_dim, scale): {sorted(shapes)}"
+        )
+    heads, rank, nope, rope, v_dim, scale = shapes.pop()
+    if kv_cache_spec.head_size != rank + rope:
+        raise ValueError(
+            f"the MLA KV cache holds rows of {kv_cache_spec.head_size}, expected "
+            f"kv_lora_rank + qk_rope_head_dim = {rank + rope}"
+        )
+    return MLASpec(
+        num_heads=heads,
+        kv_lora_rank=rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v_dim,
+        block_size=kv_cache_spec.block_size,
+        dtype=kv_cache_spec.dtype,
+        scale=scale,
+        num_speculative_tokens=num_speculative_tokens,
+    )

@@ -1,0 +1,250 @@
+"""vLLM ``MLAAttentionImpl`` over npu-attention's MLA API, for one layer.
+
+vLLM's ``MLAAttention`` layer keeps the model-side work: it absorbs ``W_UK`` into the
+decode queries, up-projects the decode output with ``W_UV``, and splits each step's
+rows between ``forward_mqa`` (decodes first) and ``forward_mha``. This impl writes the
+latents (``do_kv_cache_update``) and attends:
+
+* ``forward_mqa``: ``npu_attention.mla_decode`` over the latent cache, out in latent
+  space (``[B, N, kv_lora_rank]``), speculative tokens causal among themselves;
+* ``forward_mha``: ``npu_attention.mla_prefill`` with ``kv_b_proj`` as the
+  up-projection of cached latents (context and new tokens alike), so prefix-cache
+  hits and chunked prefills need no context workspace.
+
+Each call is an npu-graphs updatable task (``graphs/mla_tasks.py``) whose step
+argument is the step's per-layer metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
+from vllm.v1.attention.backend import AttentionLayer, AttentionType
+
+from npu_attention.mla import LatentCache, latent_cache_planes, split_latent_cache
+from npu_vllm_bridge.attention.impl import kv_cache_split_of_platform
+from npu_vllm_bridge.attention.mla_builder import BridgeMLAMetadata
+from npu_vllm_bridge.graphs.mla_tasks import run_mla_decode, run_mla_prefill, run_mla_write_cache
+
+
+class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
+    """Latent cache write, absorbed decode and non-absorbed prefill of one MLA layer.
+
+    Options the kernels do not have (sliding window, quantized KV caches, logits soft
+    cap, ALiBi, encoder attention, sparse MLA) are refused when vLLM builds the layer.
+    """
+
+    can_return_lse_for_decode: bool = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        **mla_args: Any,
+    ) -> None:
+        refuse_unsupported_mla_layer(
+            alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type, mla_args
+        )
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            q_lora_rank=mla_args["q_lora_rank"],
+            kv_lora_rank=mla_args["kv_lora_rank"],
+            qk_nope_head_dim=mla_args["qk_nope_head_dim"],
+            qk_rope_head_dim=mla_args["qk_rope_head_dim"],
+            qk_head_dim=mla_args["qk_head_dim"],
+            v_head_dim=mla_args["v_head_dim"],
+            kv_b_proj=mla_args["kv_b_proj"],
+            q_pad_num_heads=mla_args.get("q_pad_num_heads"),
+        )
+        # The decode kernels take queries in the model dtype (no fp8 query input).
+        self.supports_quant_query_input = False
+        self.kv_cache_split = kv_cache_split_of_platform()
+        self._layer_name: str | None = None
+
+    # -- vLLM's MLA impl interface -------------------------------------------------
+
+    def do_kv_cache_update(
+        self,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+    ) -> None:
+        """Write the step's latents at the plan's slots (the same slots vLLM passes)."""
+        if kv_cache.numel() == 0:
+            return
+        layer_name = self.layer_name()
+        metadata, step = layer_metadata(layer_name)
+        if metadata is None:  # vLLM's profiling run
+            return
+        plan = metadata.plan
+        run_mla_write_cache(
+            kv_c_normed,
+            k_pe.reshape(k_pe.shape[0], -1),
+            self.latent_cache(kv_cache, plan.spec),
+            plan,
+            layer_name=layer_name,
+            step_metadata=step,
+        )
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: BridgeMLAMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Absorbed attention of the decode rows: ``(q @ W_UK, q_pe)`` ->
+        ``[B, N, kv_lora_rank]`` (rows of graph padding stay zero)."""
+        if isinstance(q, tuple):
+            q_latent, q_rope = q
+        else:
+            q_latent, q_rope = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        plan = attn_metadata.plan
+        out = q_latent.new_zeros(q_latent.shape[0], self.num_heads, self.kv_lora_rank)
+        layer_name = self.layer_name(getattr(layer, "layer_name", None))
+        run_mla_decode(
+            q_latent,
+            q_rope,
+            self.latent_cache(kv_c_and_k_pe_cache, plan.spec),
+            plan,
+            out,
+            layer_name=layer_name,
+            step_metadata=step_metadata_for(layer_name, attn_metadata),
+        )
+        return out, None
+
+    def forward_mha(  # type: ignore[override]
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: BridgeMLAMetadata,
+        k_scale: torch.Tensor,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Non-absorbed causal attention of the prefill rows over keys and values
+        decompressed from the cache by ``kv_b_proj``; writes ``output``
+        ``[rows, N * v_head_dim]``."""
+        if output_scale is not None:
+            raise NotImplementedError("npu-vllm-bridge does not fuse output quantization")
+        plan = attn_metadata.plan
+        layer_name = self.layer_name()
+        run_mla_prefill(
+            q,
+            self.latent_cache(kv_c_and_k_pe_cache, plan.spec),
+            plan,
+            self._kv_up_proj,
+            output.view(output.shape[0], self.num_heads, self.v_head_dim),
+            layer_name=layer_name,
+            step_metadata=step_metadata_for(layer_name, attn_metadata),
+        )
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _kv_up_proj(self, kv_c: torch.Tensor) -> torch.Tensor:
+        return self.kv_b_proj(kv_c)[0]
+
+    def latent_cache(self, kv_cache: torch.Tensor, spec) -> LatentCache:
+        """The layer's ``[num_blocks, block_size, latent_dim]`` cache as npu-attention's
+        ``LatentCache``: views of vLLM's interleaved rows (``packed``), or two
+        contiguous planes of the same region (``planes``, what Ascend's ops read)."""
+        if kv_cache.dim() == 4:  # [num_blocks, 1, block_size, latent_dim]
+            kv_cache = kv_cache.squeeze(1)
+        if self.kv_cache_split == "planes":
+            return latent_cache_planes(kv_cache, spec)
+        return split_latent_cache(kv_cache, spec)
+
+    def layer_name(self, known: str | None = None) -> str:
+        """The name of the ``MLAAttention`` layer that owns this impl (vLLM builds the
+        impl before it names the layer, so it is looked up once in the forward context)."""
+        if self._layer_name is None:
+            if known is not None:
+                self._layer_name = known
+            else:
+                self._layer_name = _owner_layer_name(self)
+        return self._layer_name
+
+
+def layer_metadata(layer_name: str) -> tuple[BridgeMLAMetadata | None, dict[str, Any] | None]:
+    """This layer's metadata in vLLM's forward context and the step's per-layer dict."""
+    from vllm.forward_context import get_forward_context
+
+    per_layer = get_forward_context().attn_metadata
+    if isinstance(per_layer, list):  # speculative decoding: [0] is the model's own
+        per_layer = per_layer[0] if per_layer else None
+    if not isinstance(per_layer, dict):
+        return None, None
+    return per_layer.get(layer_name), per_layer
+
+
+def step_metadata_for(layer_name: str, attn_metadata: BridgeMLAMetadata) -> dict[str, Any]:
+    """The step's ``{layer_name: metadata}`` if it holds ``attn_metadata`` for this
+    layer, else this layer's alone."""
+    from vllm.forward_context import is_forward_context_available
+
+    if is_forward_context_available():
+        _, per_layer = layer_metadata(layer_name)
+        if per_layer is not None and per_layer.get(layer_name) is attn_metadata:
+            return per_layer
+    return {layer_name: attn_metadata}
+
+
+def _owner_layer_name(impl: BridgeMLAImpl) -> str:
+    from vllm.forward_context import get_forward_context
+
+    for name, layer in get_forward_context().no_compile_layers.items():
+        if getattr(layer, "impl", None) is impl:
+            return name
+    raise ValueError("this MLA impl belongs to no layer of vLLM's forward context")
+
+
+def refuse_unsupported_mla_layer(
+    alibi_slopes: list[float] | None,
+    sliding_window: int | None,
+    kv_cache_dtype: str,
+    logits_soft_cap: float | None,
+    attn_type: str,
+    mla_args: dict[str, Any],
+) -> None:
+    """Raise ``ValueError`` naming the first MLA layer option the bridge cannot run."""
+    if alibi_slopes is not None:
+        raise ValueError("npu-vllm-bridge MLA does not support ALiBi (alibi_slopes)")
+    if sliding_window is not None:
+        raise ValueError("npu-vllm-bridge MLA does not support sliding-window MLA layers")
+    if logits_soft_cap:
+        raise ValueError("npu-vllm-bridge MLA does not support a logits soft cap")
+    if kv_cache_dtype != "auto":
+        raise ValueError(
+            f"npu-vllm-bridge keeps the MLA latent cache in the model dtype; kv_cache_dtype="
+            f"{kv_cache_dtype!r} is not supported (use kv_cache_dtype='auto')"
+        )
+    if attn_type != AttentionType.DECODER:
+        raise ValueError(
+            f"npu-vllm-bridge supports decoder self-attention only, got attn_type={attn_type!r}"
+        )
+    if mla_args.get("indexer") is not None:
+        raise ValueError("npu-vllm-bridge does not support sparse MLA (an indexer)")

@@ -1,0 +1,166 @@
+"""MLA decode as an updatable host-graph task: capture once, update with each step's
+plan (KV lengths, cumulative query lengths, block table; padding requests with KV
+length 0), replay. Every replay must match a float64 absorbed-attention oracle over
+the raw latents; the control replays without the update and must be caught stale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import npu_attention
+from npu_attention.mla import MLASpec, allocate_latent_cache
+from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
+from npu_vllm_bridge.attention.mla_builder import (
+    BridgeMLAMetadata,
+    MLARows,
+    count_leading_decodes,
+    padding_requests_to_zero_kv,
+)
+from npu_vllm_bridge.graphs.mla_tasks import run_mla_decode, run_mla_write_cache
+
+HEADS, RANK, NOPE, ROPE, V = 4, 32, 16, 16, 16
+BLOCK, NUM_BLOCKS, BATCH, WIDTH = 16, 64, 4, 8
+SPEC = MLASpec(HEADS, RANK, NOPE, ROPE, V, BLOCK, torch.float32)
+ATOL = 2e-5
+LAYER = "model.layers.0.self_attn.attn"
+# Per step, the context lengths of the 4 decodes; None is a graph-padding request.
+STEPS = [(40, 3, 77, 15), (41, 4, 78, 16), (7, 90, 1, None), (12, 5, None, None)]
+
+
+def _step(contexts, cache, generator):
+    """Plan a decode step after writing each request's context latents into ``cache``;
+    the new token of each request is written by the graphed write task."""
+    real = [c for c in contexts if c is not None]
+    blocks = torch.randperm(NUM_BLOCKS - 1, generator=generator)[: len(real) * WIDTH] + 1
+    tables = torch.zeros(BATCH, WIDTH, dtype=torch.int32)
+    tables[: len(real)] = blocks.view(len(real), WIDTH).to(torch.int32)
+    query_lens = [1] * len(real) + [0] * (BATCH - len(real))
+    seq_lens = [c + 1 for c in real] + [7] * (BATCH - len(real))
+    num_real = padding_requests_to_zero_kv(query_lens, seq_lens)
+    assert num_real == len(real) and seq_lens[num_real:] == [0] * (BATCH - num_real)
+    slots = torch.full((BATCH,), -1, dtype=torch.int64)
+    latents = torch.randn(NUM_BLOCKS * BLOCK, RANK + ROPE, generator=generator)
+    for i, context in enumerate(real):
+        positions = torch.arange(context + 1)
+        flat = tables[i, positions // BLOCK].long() * BLOCK + positions % BLOCK
+        cache.kv_c.view(-1, RANK)[flat[:-1]] = latents[flat[:-1], :RANK]
+        cache.k_pe.view(-1, ROPE)[flat[:-1]] = latents[flat[:-1], RANK:]
+        slots[i] = flat[-1]
+    plan = npu_attention.plan(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()],
+        seq_lens,
+        tables,
+        slots,
+        BATCH,  # padding requests join a decode-only step
+        SPEC,
+        provider="reference",
+    )
+    metadata = BridgeMLAMetadata(
+        plan=plan,
+        num_actual_tokens=BATCH,
+        num_reqs=BATCH,
+        num_decodes=BATCH,
+        num_decode_tokens=BATCH,
+        num_prefills=0,
+        decode=MLARows(BATCH, BATCH),
+        prefill=None,
+    )
+    return metadata, latents, tables, seq_lens
+
+
+class _Inputs:
+    """Static inputs of the captured step (the caller owns their addresses)."""
+
+    def __init__(self):
+        self.q_latent = torch.zeros(BATCH, HEADS, RANK)
+        self.q_rope = torch.zeros(BATCH, HEADS, ROPE)
+        self.kv_c = torch.zeros(BATCH, RANK)
+        self.k_pe = torch.zeros(BATCH, ROPE)
+
+    def load(self, generator, latents, slots):
+        self.q_latent.copy_(torch.randn(BATCH, HEADS, RANK, generator=generator))
+        self.q_rope.copy_(torch.randn(BATCH, HEADS, ROPE, generator=generator))
+        real = slots >= 0
+        self.kv_c.zero_()
+        self.k_pe.zero_()
+        self.kv_c[real] = latents[slots[real], :RANK]
+        self.k_pe[real] = latents[slots[real], RANK:]
+
+
+def _decode_step(inputs, cache, current):
+    """The graphed callable: one MLA layer's latent write and absorbed decode."""
+
+    def step(_):
+        step_metadata = {LAYER: current["metadata"]}
+        plan = current["metadata"].plan
+        run_mla_write_cache(
+            inputs.kv_c * 1.0, inputs.k_pe * 1.0, cache, plan,
+            layer_name=LAYER, step_metadata=step_metadata,
+        )  # fmt: skip
+        out = inputs.q_latent.new_zeros(BATCH, HEADS, RANK)
+        run_mla_decode(
+            inputs.q_latent * 1.0, inputs.q_rope * 1.0, cache, plan, out,
+            layer_name=LAYER, step_metadata=step_metadata,
+        )  # fmt: skip
+        return out * 1.0
+
+    return step
+
+
+def _oracle(inputs, latents, tables, seq_lens) -> torch.Tensor:
+    """float64 absorbed attention over the raw latents; padding rows are zero."""
+    out = torch.zeros(BATCH, HEADS, RANK, dtype=torch.float64)
+    for i, seq_len in enumerate(seq_lens):
+        if seq_len == 0:
+            continue
+        positions = torch.arange(seq_len)
+        rows = latents[tables[i, positions // BLOCK].long() * BLOCK + positions % BLOCK].double()
+        scores = inputs.q_latent[i].double() @ rows[:, :RANK].T
+        scores += inputs.q_rope[i].double() @ rows[:, RANK:].T
+        out[i] = torch.softmax(scores * SPEC.softmax_scale, dim=-1) @ rows[:, :RANK]
+    return out
+
+
+def _run_steps(update: bool, seed: int) -> list[float]:
+    """Errors of each step's graph output against the oracle."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = allocate_latent_cache(NUM_BLOCKS, SPEC)
+    inputs, current = _Inputs(), {}
+    registry = TaskRegistry("attention", expected_tasks=2)
+    graph = GraphWrapper(_decode_step(inputs, cache, current), backend="host", tasks=registry)
+    errors = []
+    for index, contexts in enumerate(STEPS):
+        metadata, latents, tables, seq_lens = _step(contexts, cache, generator)
+        inputs.load(generator, latents, metadata.plan.slot_mapping)
+        current["metadata"] = metadata
+        if index and update:
+            assert registry.update("decode-4", {LAYER: metadata}) is True
+        with graph_dispatch(RuntimeMode.FULL, "decode-4"):
+            out = graph(None)
+        errors.append(
+            float((out.double() - _oracle(inputs, latents, tables, seq_lens)).abs().max())
+        )
+    assert graph.entry("decode-4").replays == len(STEPS) - 1
+    return errors
+
+
+def test_mla_task_update_makes_each_replay_match_the_oracle():
+    errors = _run_steps(update=True, seed=3)
+    assert max(errors) < ATOL, errors
+
+
+def test_mla_replay_without_update_is_stale():
+    """The control: a skipped update replays the captured step's KV lengths, block
+    table and slots, and the outputs are wrong by far more than the tolerance."""
+    errors = _run_steps(update=False, seed=3)
+    assert errors[0] < ATOL
+    assert min(errors[1:]) > 1e-2, errors
+
+
+def test_padding_requests_get_kv_length_zero_and_join_the_decodes():
+    query_lens, seq_lens = [1, 1, 2, 0, 0], [9, 4, 12, 1, 1]
+    assert padding_requests_to_zero_kv(query_lens, seq_lens) == 3
+    assert seq_lens == [9, 4, 12, 0, 0]
+    assert count_leading_decodes(query_lens, 2) == 3  # the builder then adds the padding
+    assert count_leading_decodes([1, 5, 1], 2) == 1
