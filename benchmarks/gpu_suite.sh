@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/gpu_suite.sh sweep   # launch sweeps: prefill --tune-hopper, decode --sweep,
 #                                        # plan host time, decoder step, MLA decode --tune
-#   bash benchmarks/gpu_suite.sh final   # `-m cuda` tests, then every benchmark at its defaults
+#   bash benchmarks/gpu_suite.sh tests   # the `-m cuda` tests of npu-attention and npu-graphs
+#   bash benchmarks/gpu_suite.sh final   # every benchmark at its defaults
 #
 # Each mode stays under 580 s (the parts' limits add up to that), inside one 10-minute
 # command; a part cut off at its limit loses only its own JSON.
@@ -38,16 +39,18 @@ case $mode in
         part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
         part mla_decode 90 python benchmarks/bench_mla_decode.py --tune
         ;;
-    final)
-        part tests 200 python -m pytest -q -m cuda -ra -p no:cacheprovider \
+    tests)
+        part tests 560 python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=15 \
             packages/npu-attention/tests packages/npu-graphs/tests
+        ;;
+    final)
         part prefill 90 python benchmarks/bench_prefill_attention.py
         part decode 150 python benchmarks/bench_decode_attention.py
         part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
         part mla_decode 40 python benchmarks/bench_mla_decode.py
         ;;
     *)
-        echo "usage: $0 sweep|final" >&2
+        echo "usage: $0 sweep|tests|final" >&2
         exit 2
         ;;
 esac
