@@ -1,11 +1,12 @@
-"""MLA decode as an updatable host-graph task: capture once, update with each step's
-plan (KV lengths, cumulative query lengths, block table; padding requests with KV
-length 0), replay. Every replay must match a float64 absorbed-attention oracle over
+"""MLA decode and spec decode as updatable host-graph tasks: capture once, update with
+each step's plan (KV lengths, cumulative query lengths, block table; padding requests
+with KV length 0), replay. Every replay must match a float64 absorbed-attention oracle over
 the raw latents; the control replays without the update and must be caught stale.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import npu_attention
@@ -21,32 +22,33 @@ from npu_vllm_bridge.graphs.mla_tasks import run_mla_decode, run_mla_write_cache
 
 HEADS, RANK, NOPE, ROPE, V = 4, 32, 16, 16, 16
 BLOCK, NUM_BLOCKS, BATCH, WIDTH = 16, 64, 4, 8
-SPEC = MLASpec(HEADS, RANK, NOPE, ROPE, V, BLOCK, torch.float32)
+SPEC = MLASpec(HEADS, RANK, NOPE, ROPE, V, BLOCK, torch.float32, num_speculative_tokens=1)
 ATOL = 2e-5
 LAYER = "model.layers.0.self_attn.attn"
 # Per step, the context lengths of the 4 decodes; None is a graph-padding request.
 STEPS = [(40, 3, 77, 15), (41, 4, 78, 16), (7, 90, 1, None), (12, 5, None, None)]
 
 
-def _step(contexts, cache, generator):
-    """Plan a decode step after writing each request's context latents into ``cache``;
-    the new token of each request is written by the graphed write task."""
+def _step(contexts, cache, generator, q):
+    """Plan a decode step of ``q`` query tokens per request (``q = 2``: a verify step of
+    one speculative token) after writing each request's context latents into ``cache``;
+    the new tokens are written by the graphed write task."""
     real = [c for c in contexts if c is not None]
     blocks = torch.randperm(NUM_BLOCKS - 1, generator=generator)[: len(real) * WIDTH] + 1
     tables = torch.zeros(BATCH, WIDTH, dtype=torch.int32)
     tables[: len(real)] = blocks.view(len(real), WIDTH).to(torch.int32)
-    query_lens = [1] * len(real) + [0] * (BATCH - len(real))
-    seq_lens = [c + 1 for c in real] + [7] * (BATCH - len(real))
+    query_lens = [q] * len(real) + [0] * (BATCH - len(real))
+    seq_lens = [c + q for c in real] + [7] * (BATCH - len(real))
     num_real = padding_requests_to_zero_kv(query_lens, seq_lens)
     assert num_real == len(real) and seq_lens[num_real:] == [0] * (BATCH - num_real)
-    slots = torch.full((BATCH,), -1, dtype=torch.int64)
+    slots = torch.full((BATCH * q,), -1, dtype=torch.int64)
     latents = torch.randn(NUM_BLOCKS * BLOCK, RANK + ROPE, generator=generator)
     for i, context in enumerate(real):
-        positions = torch.arange(context + 1)
+        positions = torch.arange(context + q)
         flat = tables[i, positions // BLOCK].long() * BLOCK + positions % BLOCK
-        cache.kv_c.view(-1, RANK)[flat[:-1]] = latents[flat[:-1], :RANK]
-        cache.k_pe.view(-1, ROPE)[flat[:-1]] = latents[flat[:-1], RANK:]
-        slots[i] = flat[-1]
+        cache.kv_c.view(-1, RANK)[flat[:context]] = latents[flat[:context], :RANK]
+        cache.k_pe.view(-1, ROPE)[flat[:context]] = latents[flat[:context], RANK:]
+        slots[i * q : (i + 1) * q] = flat[context:]
     plan = npu_attention.plan(
         [0, *torch.tensor(query_lens).cumsum(0).tolist()],
         seq_lens,
@@ -58,12 +60,12 @@ def _step(contexts, cache, generator):
     )
     metadata = BridgeMLAMetadata(
         plan=plan,
-        num_actual_tokens=BATCH,
+        num_actual_tokens=BATCH * q,
         num_reqs=BATCH,
         num_decodes=BATCH,
-        num_decode_tokens=BATCH,
+        num_decode_tokens=BATCH * q,
         num_prefills=0,
-        decode=MLARows(BATCH, BATCH),
+        decode=MLARows(BATCH, BATCH * q),
         prefill=None,
     )
     return metadata, latents, tables, seq_lens
@@ -72,15 +74,16 @@ def _step(contexts, cache, generator):
 class _Inputs:
     """Static inputs of the captured step (the caller owns their addresses)."""
 
-    def __init__(self):
-        self.q_latent = torch.zeros(BATCH, HEADS, RANK)
-        self.q_rope = torch.zeros(BATCH, HEADS, ROPE)
-        self.kv_c = torch.zeros(BATCH, RANK)
-        self.k_pe = torch.zeros(BATCH, ROPE)
+    def __init__(self, rows):
+        self.rows = rows
+        self.q_latent = torch.zeros(rows, HEADS, RANK)
+        self.q_rope = torch.zeros(rows, HEADS, ROPE)
+        self.kv_c = torch.zeros(rows, RANK)
+        self.k_pe = torch.zeros(rows, ROPE)
 
     def load(self, generator, latents, slots):
-        self.q_latent.copy_(torch.randn(BATCH, HEADS, RANK, generator=generator))
-        self.q_rope.copy_(torch.randn(BATCH, HEADS, ROPE, generator=generator))
+        self.q_latent.copy_(torch.randn(self.rows, HEADS, RANK, generator=generator))
+        self.q_rope.copy_(torch.randn(self.rows, HEADS, ROPE, generator=generator))
         real = slots >= 0
         self.kv_c.zero_()
         self.k_pe.zero_()
@@ -98,7 +101,7 @@ def _decode_step(inputs, cache, current):
             inputs.kv_c * 1.0, inputs.k_pe * 1.0, cache, plan,
             layer_name=LAYER, step_metadata=step_metadata,
         )  # fmt: skip
-        out = inputs.q_latent.new_zeros(BATCH, HEADS, RANK)
+        out = inputs.q_latent.new_zeros(inputs.rows, HEADS, RANK)
         run_mla_decode(
             inputs.q_latent * 1.0, inputs.q_rope * 1.0, cache, plan, out,
             layer_name=LAYER, step_metadata=step_metadata,
@@ -108,30 +111,32 @@ def _decode_step(inputs, cache, current):
     return step
 
 
-def _oracle(inputs, latents, tables, seq_lens) -> torch.Tensor:
-    """float64 absorbed attention over the raw latents; padding rows are zero."""
-    out = torch.zeros(BATCH, HEADS, RANK, dtype=torch.float64)
+def _oracle(inputs, latents, tables, seq_lens, q) -> torch.Tensor:
+    """float64 absorbed attention over the raw latents, query token ``t`` of a request
+    seeing its first ``seq_len - q + t + 1`` positions; padding rows are zero."""
+    out = torch.zeros(inputs.rows, HEADS, RANK, dtype=torch.float64)
     for i, seq_len in enumerate(seq_lens):
-        if seq_len == 0:
-            continue
-        positions = torch.arange(seq_len)
-        rows = latents[tables[i, positions // BLOCK].long() * BLOCK + positions % BLOCK].double()
-        scores = inputs.q_latent[i].double() @ rows[:, :RANK].T
-        scores += inputs.q_rope[i].double() @ rows[:, RANK:].T
-        out[i] = torch.softmax(scores * SPEC.softmax_scale, dim=-1) @ rows[:, :RANK]
+        for t in range(q if seq_len else 0):
+            positions = torch.arange(seq_len - q + t + 1)
+            flat = tables[i, positions // BLOCK].long() * BLOCK + positions % BLOCK
+            rows = latents[flat].double()
+            row = i * q + t
+            scores = inputs.q_latent[row].double() @ rows[:, :RANK].T
+            scores += inputs.q_rope[row].double() @ rows[:, RANK:].T
+            out[row] = torch.softmax(scores * SPEC.softmax_scale, dim=-1) @ rows[:, :RANK]
     return out
 
 
-def _run_steps(update: bool, seed: int) -> list[float]:
+def _run_steps(update: bool, seed: int, q: int = 1) -> list[float]:
     """Errors of each step's graph output against the oracle."""
     generator = torch.Generator().manual_seed(seed)
     cache = allocate_latent_cache(NUM_BLOCKS, SPEC)
-    inputs, current = _Inputs(), {}
+    inputs, current = _Inputs(BATCH * q), {}
     registry = TaskRegistry("attention", expected_tasks=2)
     graph = GraphWrapper(_decode_step(inputs, cache, current), backend="host", tasks=registry)
     errors = []
     for index, contexts in enumerate(STEPS):
-        metadata, latents, tables, seq_lens = _step(contexts, cache, generator)
+        metadata, latents, tables, seq_lens = _step(contexts, cache, generator, q)
         inputs.load(generator, latents, metadata.plan.slot_mapping)
         current["metadata"] = metadata
         if index and update:
@@ -139,21 +144,23 @@ def _run_steps(update: bool, seed: int) -> list[float]:
         with graph_dispatch(RuntimeMode.FULL, "decode-4"):
             out = graph(None)
         errors.append(
-            float((out.double() - _oracle(inputs, latents, tables, seq_lens)).abs().max())
+            float((out.double() - _oracle(inputs, latents, tables, seq_lens, q)).abs().max())
         )
     assert graph.entry("decode-4").replays == len(STEPS) - 1
     return errors
 
 
-def test_mla_task_update_makes_each_replay_match_the_oracle():
-    errors = _run_steps(update=True, seed=3)
+@pytest.mark.parametrize("q", [1, 2], ids=["decode", "spec-decode"])
+def test_mla_task_update_makes_each_replay_match_the_oracle(q):
+    errors = _run_steps(update=True, seed=3, q=q)
     assert max(errors) < ATOL, errors
 
 
-def test_mla_replay_without_update_is_stale():
+@pytest.mark.parametrize("q", [1, 2], ids=["decode", "spec-decode"])
+def test_mla_replay_without_update_is_stale(q):
     """The control: a skipped update replays the captured step's KV lengths, block
     table and slots, and the outputs are wrong by far more than the tolerance."""
-    errors = _run_steps(update=False, seed=3)
+    errors = _run_steps(update=False, seed=3, q=q)
     assert errors[0] < ATOL
     assert min(errors[1:]) > 1e-2, errors
 

@@ -40,12 +40,15 @@ class BridgeAttentionMetadata:
 class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
     """Builds a :class:`BridgeAttentionMetadata` per step.
 
-    vLLM reorders each batch so that decodes (query length 1) come first, as
+    vLLM reorders each batch so that decodes (query length 1, or up to
+    ``1 + num_speculative_tokens`` with a drafter) come first, as
     ``npu_attention.plan`` expects. Graph support: the attention op is
     re-issued from each step's host lists before replay, so one graph serves
     every decode batch of its size; a mixed prefill/decode step picks other
-    kernels than the decode step that was captured, so only uniform
-    single-token decode batches replay FULL graphs.
+    kernels than the decode step that was captured, so only uniform decode
+    batches replay FULL graphs: single-token decodes, or with a drafter the
+    verify steps of ``1 + k`` tokens per request (vLLM's
+    ``uniform_decode_query_len``).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
@@ -60,11 +63,28 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
-        self.spec = attention_spec_for_layers(kv_cache_spec, layer_names, vllm_config)
+        # Speculative decoding: verify requests of 1 + k query tokens are decodes.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        self.max_decode_len = self.reorder_batch_threshold or 1
+        # With a drafter, vLLM's host seq_lens are only upper bounds (draft steps
+        # after rejected tokens lower the device ones): read the exact ones.
+        self.exact_seq_lens = vllm_config.speculative_config is not None
+        self.spec = attention_spec_for_layers(
+            kv_cache_spec, layer_names, vllm_config, self.max_decode_len - 1
+        )
         self.provider = attention_provider_name()
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len if model_config is not None else None
+
+    @classmethod
+    def get_cudagraph_support(
+        cls, vllm_config: VllmConfig, kv_cache_spec: Any
+    ) -> AttentionCGSupport:
+        """Verify steps are uniform batches of ``1 + k`` query tokens per request, which
+        the spec-decode plan serves as decodes: FULL graphs for uniform batches."""
+        if vllm_config.speculative_config is not None:
+            return AttentionCGSupport.UNIFORM_BATCH
+        return cls._cudagraph_support
 
     def build(
         self,
@@ -83,8 +103,8 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
 
     def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeAttentionMetadata:
         block_tables = cm.block_table_tensor[: cm.num_reqs]
-        query_lens, seq_lens = host_query_and_seq_lens(cm)
-        fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens)
+        query_lens, seq_lens = host_query_and_seq_lens(cm, exact=self.exact_seq_lens)
+        fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
         if for_capture:
             longest = block_tables.shape[1] * self.spec.block_size
             if self.max_model_len is not None:
@@ -96,7 +116,7 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
             seq_lens,
             block_tables,
             cm.slot_mapping[: cm.num_actual_tokens],
-            count_leading_decodes(query_lens),
+            count_leading_decodes(query_lens, self.max_decode_len),
             self.spec,
             device=self.device,
             provider=self.provider,
@@ -104,26 +124,37 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         return BridgeAttentionMetadata(plan, cm.num_actual_tokens, for_capture)
 
 
-def host_query_and_seq_lens(cm: CommonAttentionMetadata) -> tuple[list[int], list[int]]:
-    """Per-request query lengths and sequence lengths as host lists, without a
-    device sync: vLLM keeps the host copies (``seq_lens_cpu_upper_bound`` is
-    exact when speculative decoding is off, which the bridge requires)."""
+def host_query_and_seq_lens(
+    cm: CommonAttentionMetadata, exact: bool = False
+) -> tuple[list[int], list[int]]:
+    """Per-request query lengths and sequence lengths as host lists.
+
+    vLLM keeps host copies: ``seq_lens_cpu_upper_bound`` is exact without
+    speculative decoding (no device sync). With a drafter it is an upper bound
+    (a draft step after rejected tokens lowers only the device ``seq_lens``), so
+    ``exact=True`` reads the device ``seq_lens`` (a sync on a device).
+    """
     cu = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
     query_lens = [end - start for start, end in itertools.pairwise(cu)]
-    host_seq_lens = cm.seq_lens_cpu_upper_bound
+    host_seq_lens = None if exact else cm.seq_lens_cpu_upper_bound
     if host_seq_lens is None:
         host_seq_lens = cm.seq_lens.cpu()
     return query_lens, host_seq_lens[: cm.num_reqs].tolist()
 
 
-def fill_padding_requests(query_lens: list[int], seq_lens: list[int], num_tokens: int) -> None:
+def fill_padding_requests(
+    query_lens: list[int], seq_lens: list[int], num_tokens: int, decode_len: int = 1
+) -> None:
     """Turn graph padding into decodes that write nothing, in place.
 
     A padded FULL-graph batch ends with requests of query length 0 (block
     table rows of the null block) and tokens past the last request (slot -1).
-    Each padding request takes one padding token and attends one key of the
+    Each padding request takes ``decode_len`` padding tokens (``1 + k`` in the
+    verify step of ``k`` speculative tokens, when the spare tokens are exactly
+    that many per padding request; else 1) and attends as many keys of the
     null block, so the padded batch is a uniform decode batch of the captured
-    size; its outputs are discarded by vLLM.
+    size whose cumulative query offsets are multiples of ``decode_len``; its
+    outputs are discarded by vLLM.
     """
     num_real = len(query_lens)
     while num_real and query_lens[num_real - 1] == 0:
@@ -132,16 +163,18 @@ def fill_padding_requests(query_lens: list[int], seq_lens: list[int], num_tokens
     num_padding = len(query_lens) - num_real
     if num_padding == 0 or spare_tokens < num_padding:
         return
+    pad_len = decode_len if spare_tokens >= num_padding * decode_len else 1
     for i in range(num_real, len(query_lens)):
-        query_lens[i] = 1
-        seq_lens[i] = 1
+        query_lens[i] = pad_len
+        seq_lens[i] = pad_len
 
 
-def count_leading_decodes(query_lens: list[int]) -> int:
-    """Requests of query length 1 at the head of the batch (vLLM puts decodes first)."""
+def count_leading_decodes(query_lens: list[int], max_decode_len: int = 1) -> int:
+    """Requests of 1 to ``max_decode_len`` query tokens at the head of the batch
+    (vLLM puts decodes first; verify steps bring ``1 + num_speculative_tokens``)."""
     count = 0
     for query_len in query_lens:
-        if query_len != 1:
+        if not 1 <= query_len <= max_decode_len:
             break
         count += 1
     return count
@@ -155,7 +188,10 @@ def cumulative(lengths: list[int]) -> list[int]:
 
 
 def attention_spec_for_layers(
-    kv_cache_spec: VllmAttentionSpec, layer_names: list[str], vllm_config: VllmConfig
+    kv_cache_spec: VllmAttentionSpec,
+    layer_names: list[str],
+    vllm_config: VllmConfig,
+    num_speculative_tokens: int = 0,
 ) -> AttentionSpec:
     """The ``npu_attention.AttentionSpec`` shared by the layers of one KV-cache group.
 
@@ -184,6 +220,7 @@ def attention_spec_for_layers(
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,
         scale=scale,
+        num_speculative_tokens=num_speculative_tokens,
     )
 
 

@@ -39,12 +39,11 @@ class GraphRunnerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
-            layers = get_layers_from_vllm_config(self.vllm_config, Attention)
             self.model = BridgeGraphWrapper(
                 self.model,
                 self.vllm_config,
                 CUDAGraphMode.FULL,
-                num_attention_layers=len(layers)
+                num_attention_layers=count_own_attention_layers(self.vllm_config, self.model)
                 + count_own_mla_tasks(self.vllm_config, self.model),
             )
 
@@ -153,3 +152,12 @@ class GraphRunnerMixin:
         (n_big, m_big), (n_small, m_small) = samples[0], samples[-1]
         slope = (m_big - m_small) / (n_big - n_small) if n_big != n_small else 0.0
         return int(sum(m_small + slope * (d.num_tokens - n_small) for d in descs))
+
+
+def count_own_attention_layers(vllm_config: Any, model: torch.nn.Module) -> int:
+    """Attention layers of ``model`` itself: a drafter's attention layers (EAGLE heads,
+    draft models) are in the same vLLM config but run in the drafter's forwards, not
+    in the target model's graphs."""
+    layers = get_layers_from_vllm_config(vllm_config, Attention)
+    own = {id(module) for module in model.modules()}
+    return sum(id(layer) in own for layer in layers.values())
