@@ -117,7 +117,7 @@ def test_lse_matches_float64_oracle(state: str) -> None:
     n = case.num_tokens
     assert_lse_close(lse[:n], oracle_lse(case))
     assert (lse[n:] == 5.0).all(), "rows past the step's tokens are left alone"
-    torch.testing.assert_close(out[:n].double().cpu(), naive_attention(case),
+    torch.testing.assert_close(out[:n].double().cpu(), naive_attention(case).cpu(),
                                **TOLERANCE[case.spec.dtype])  # fmt: skip
 
 
@@ -141,7 +141,7 @@ def test_split_decode_merge_writes_the_combined_lse() -> None:
     n = case.num_tokens
     assert_lse_close(lse[:n], oracle_lse(case))
     assert (lse[n:] == 5.0).all()
-    torch.testing.assert_close(out[:n].double().cpu(), naive_attention(case),
+    torch.testing.assert_close(out[:n].double().cpu(), naive_attention(case).cpu(),
                                **TOLERANCE[case.spec.dtype])  # fmt: skip
 
 
@@ -178,7 +178,9 @@ def test_dcp_shards_merged_equal_unsharded_attention(state: str) -> None:
     paged = case.paged(np.random.default_rng(5))
     lses: list[torch.Tensor] = []
     out = dcp_attention(case, paged, 2, 1, "triton", lses)
-    torch.testing.assert_close(out.double().cpu(), naive_attention(case), **TOLERANCE[spec.dtype])
+    torch.testing.assert_close(
+        out.double().cpu(), naive_attention(case).cpu(), **TOLERANCE[spec.dtype]
+    )
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
@@ -250,7 +252,9 @@ def test_gpu_lse_matches_float64_oracle(state: str, dtype: torch.dtype, block_si
     n = case.num_tokens
     assert_lse_close(lse[:n], oracle_lse(case))
     assert (lse[n:] == 5.0).all()
-    torch.testing.assert_close(out[:n].double().cpu(), naive_attention(case), **TOLERANCE[dtype])
+    torch.testing.assert_close(
+        out[:n].double().cpu(), naive_attention(case).cpu(), **TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.cuda
@@ -290,7 +294,7 @@ def test_gpu_dcp_random_batches(seed: int) -> None:
     paged = case.paged(rng)
     dcp_size, interleave = int(rng.integers(2, 5)), int(rng.choice([1, 16]))
     out = dcp_attention(case, paged, dcp_size, interleave, "triton")
-    torch.testing.assert_close(out.double().cpu(), naive_attention(case), **TOLERANCE[dtype])
+    torch.testing.assert_close(out.double().cpu(), naive_attention(case).cpu(), **TOLERANCE[dtype])
 
 
 @pytest.mark.cuda

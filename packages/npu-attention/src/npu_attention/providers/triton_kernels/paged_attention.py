@@ -353,6 +353,13 @@ def _attend_full_tiles_overlapped(
 
 
 @triton.jit
+def _row_lse_log2(m_i, l_i):
+    """Each row's log-sum-exp in log2 units (``m_i`` is; ``l_i`` sums exp2 of the scores
+    less ``m_i``); ``-inf`` where the row saw no key (``l_i == 0``)."""
+    return tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -505,10 +512,8 @@ def _paged_attention_kernel(
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key seen: l_i = 0, acc = 0
     out_mask = row_mask[:, None] & (offs_d < HEAD_SIZE)[None, :]
-    # log2 units (m_i is; l_i sums exp2 of scores less m_i); -inf where no key was seen.
-    # The natural-log LSE that callers get is this times ln(2) = 0.6931471805599453.
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
     if SPLIT:
+        lse = _row_lse_log2(m_i, l_i)
         row = (token * NUM_HEADS + head) * num_splits + split
         tl.store(partial_lse_ptr + row, lse, mask=row_mask)
         tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], out, mask=out_mask)
@@ -518,7 +523,7 @@ def _paged_attention_kernel(
         if WRITE_LSE:
             tl.store(
                 lse_ptr + token * stride_lt + head * stride_lh,
-                lse * 0.6931471805599453,
+                _row_lse_log2(m_i, l_i) * 0.6931471805599453,  # natural log: times ln(2)
                 mask=row_mask,
             )
 
