@@ -45,7 +45,7 @@ class AttentionLaunchConfig:
     the query heads of one KV head (always for decode tiles); otherwise tokens of
     one query head. ``tma``: load K/V tiles that lie in one page through tensor
     descriptors (the copy engine of Hopper and later GPUs; ignored where
-    ``tma_supported`` says no). ``warp_specialize``: ask the compiler to give the
+    ``tma_supported`` says no, and with a sliding window). ``warp_specialize``: ask the compiler to give the
     loads of the unmasked key loop their own warps (asked only of CUDA GPUs of compute
     capability 9 or later).
     ``overlap_scores``: in the unmasked key loop, issue the scores of the next tile
@@ -648,7 +648,10 @@ def paged_attention(
         grid = (num_tokens // block_q + num_reqs, head_groups, 1)
     page_tiles = paged and block_size % config.block_n == 0
     k_desc = v_desc = None
-    if config.tma and page_tiles and tma_supported(key_cache) and tma_supported(value_cache):
+    # With a sliding window, ptxas (Triton 3.6's, sm_90a) crashes compiling the
+    # descriptor loads: windowed attention keeps the portable loads.
+    tma = config.tma and sliding_window is None
+    if tma and page_tiles and tma_supported(key_cache) and tma_supported(value_cache):
         k_desc = _page_tile_descriptor(key_cache, config.block_n, head_pad)
         v_desc = _page_tile_descriptor(value_cache, config.block_n, head_pad)
     split = num_splits > 1
