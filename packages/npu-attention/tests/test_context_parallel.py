@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from context_parallel_cases import dcp_attention, pcp_attention
+from context_parallel_cases import dcp_attention, dcp_rank_cache, pcp_attention
 from npu_attention_cases import TOLERANCE, make_case, naive_attention, run_case
 
 from npu_attention import AttentionSpec, merge_attention_states, plan, plan_context, run
@@ -187,6 +187,43 @@ def test_plan_context_sees_only_cached_keys_and_empty_shards_give_minus_inf() ->
         torch.testing.assert_close(lse[rows].double(), scores.logsumexp(-1).T, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="sliding_window"):
         plan_context([0, 1], [4], paged.block_tables[:1], 0, _spec(sliding_window=8))
+
+
+def test_plan_context_with_a_slot_mapping_writes_the_rank_share_of_new_tokens() -> None:
+    """A rank's DCP slot mapping in ``plan_context``: ``run`` writes the new keys and
+    values the rank keeps (and no other), and attends as without the writes."""
+    spec = _spec()
+    case = make_case(spec, [1, 1, 5], [9, 0, 6], 2, seed=5)
+    paged = case.paged(np.random.default_rng(5))
+    key, value = case.new_kv()
+    n, tables = case.num_tokens, paged.block_tables.numpy()
+    request = np.repeat(np.arange(3), case.query_lens)
+    positions = np.concatenate(
+        [np.arange(c, c + q) for c, q in zip(case.context_lens, case.query_lens)]
+    )
+    for rank in range(2):
+        key_cache, value_cache = dcp_rank_cache(case, paged, 2, rank, 1)
+        context = dcp_local_seq_lens(case.context_lens, 2, 1, rank)
+        slots = dcp_slot_mapping(positions, request, tables, spec.block_size, 2, rank)
+        outs = []
+        for writes in (None, slots):
+            step = plan_context(
+                case.cu_seqlens_q, context, paged.block_tables, 2, spec, slot_mapping=writes
+            )
+            out, lse = torch.empty_like(case.query), torch.empty(n, 4)
+            caches = (key_cache.clone(), value_cache.clone())
+            run(case.query, key[:n], value[:n], *caches, step, out, lse=lse)
+            outs.append((out[:n], lse[:n], caches))
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=0)
+        mine = torch.from_numpy(np.flatnonzero(slots >= 0))
+        kept = torch.from_numpy(slots[slots >= 0])
+        written_k, written_v = outs[1][2]
+        bs = spec.block_size
+        torch.testing.assert_close(written_k[kept // bs, kept % bs], key[mine])
+        torch.testing.assert_close(written_v[kept // bs, kept % bs], value[mine])
+        written_k[kept // bs, kept % bs] = key_cache[kept // bs, kept % bs]
+        torch.testing.assert_close(written_k, key_cache, equal_nan=True)  # nothing else
 
 
 @pytest.mark.parametrize("state", sorted(STATES))

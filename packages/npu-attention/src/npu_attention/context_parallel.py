@@ -141,6 +141,7 @@ def plan_context(
     provider: str | None = None,
     buffers: PlanBuffers | None = None,
     num_blocks: int | None = None,
+    slot_mapping: Any = None,
 ) -> AttentionPlan:
     """A plan in which each request's query rows attend to its first ``context_lens[i]``
     cached keys only (none of the step's own), all of them visible to every row.
@@ -149,7 +150,11 @@ def plan_context(
     local context lengths (``dcp_local_seq_lens`` of ``seq_lens - query_lens``) and
     may be smaller than a request's query length, or 0 (then its rows get LSE
     ``-inf`` and zeros). ``run(query, None, None, key_cache, value_cache, plan, out,
-    lse=lse)`` writes nothing to the cache. The plan's ``seq_lens`` (and, on Ascend,
+    lse=lse)`` writes nothing to the cache. With ``slot_mapping`` (the rank's slots of
+    the step's tokens, ``-1`` for tokens another rank keeps, as ``dcp_slot_mapping``
+    gives them), ``run(query, key, value, ...)`` writes the rank's share of the new
+    K/V before it attends; the writes land past every ``context_lens[i]``, so the
+    attention does not see them. The plan's ``seq_lens`` (and, on Ascend,
     ``actual_seq_lengths_kv``) are ``context_lens``; in fixed-buffer mode they are the
     step argument a graph replay reads.
 
@@ -173,12 +178,12 @@ def plan_context(
     if ctx.min(initial=0) < 0:
         raise ValueError(f"context_lens must be non-negative, got {ctx.tolist()}")
     host = HostArrays(cu, query_lens, ctx, ctx)
-    num_tokens = int(cu[-1])
-    no_writes = torch.full((num_tokens,), -1, dtype=torch.int64)
+    if slot_mapping is None:
+        slot_mapping = torch.full((int(cu[-1]),), -1, dtype=torch.int64)
     return build_plan(
         host,
         block_tables,
-        no_writes,
+        slot_mapping,
         num_decodes,
         dataclasses.replace(spec, causal=False),
         device,
