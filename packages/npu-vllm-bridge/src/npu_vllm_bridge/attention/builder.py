@@ -17,6 +17,7 @@ from vllm.v1.attention.backend import (
 
 import npu_attention
 from npu_attention import AttentionPlan, AttentionSpec
+from npu_vllm_bridge.attention.context_parallel import DCPPlans, dcp_layout_of, plan_dcp
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
@@ -27,14 +28,17 @@ class BridgeAttentionMetadata:
     """What every attention layer of one KV-cache group reads in one step.
 
     Attributes:
-        plan: the step's ``npu_attention`` plan (host lists and device tensors).
+        plan: the step's ``npu_attention`` plan (host lists and device tensors); under
+            decode context parallelism, the new tokens' plan (``dcp.new_plan``).
         num_actual_tokens: query rows in the step, graph padding included.
         for_capture: built for graph capture (dummy batch of the largest context).
+        dcp: the step's plans under decode context parallelism, else ``None``.
     """
 
     plan: AttentionPlan
     num_actual_tokens: int
     for_capture: bool = False
+    dcp: DCPPlans | None = None
 
 
 class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
@@ -75,6 +79,8 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         self.provider = attention_provider_name()
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len if model_config is not None else None
+        # Decode context parallelism: this rank keeps a share of every request's KV.
+        self.dcp = dcp_layout_of(vllm_config, getattr(kv_cache_spec, "dcp_sharded", True))
 
     @classmethod
     def get_cudagraph_support(
@@ -106,17 +112,35 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         query_lens, seq_lens = host_query_and_seq_lens(cm, exact=self.exact_seq_lens)
         fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
         if for_capture:
-            longest = block_tables.shape[1] * self.spec.block_size
+            # Under DCP a block-table entry covers block_size tokens of every rank.
+            longest = (
+                block_tables.shape[1] * self.spec.block_size * (self.dcp.size if self.dcp else 1)
+            )
             if self.max_model_len is not None:
                 longest = min(longest, self.max_model_len)
             seq_lens = [max(longest, q) if q else 0 for q in query_lens]
         cu_seqlens_q = cumulative(query_lens)
+        num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
+        if self.dcp is not None:
+            plans = plan_dcp(
+                cu_seqlens_q,
+                query_lens,
+                seq_lens,
+                block_tables,
+                cm.slot_mapping[: cm.num_actual_tokens],
+                num_decodes,
+                self.spec,
+                self.dcp,
+                device=self.device,
+                provider=self.provider,
+            )
+            return BridgeAttentionMetadata(plans.new_plan, cm.num_actual_tokens, for_capture, plans)
         plan = npu_attention.plan(
             cu_seqlens_q,
             seq_lens,
             block_tables,
             cm.slot_mapping[: cm.num_actual_tokens],
-            count_leading_decodes(query_lens, self.max_decode_len),
+            num_decodes,
             self.spec,
             device=self.device,
             provider=self.provider,

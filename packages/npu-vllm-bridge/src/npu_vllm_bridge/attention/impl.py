@@ -8,6 +8,7 @@ import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
 from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
+from npu_vllm_bridge.attention.context_parallel import dcp_attention
 from npu_vllm_bridge.attention.kv_cache import split_kv_cache
 from npu_vllm_bridge.graphs.tasks import run_attention
 
@@ -17,7 +18,17 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
 
     Options the kernels do not have (ALiBi, attention sinks, quantized KV
     caches, encoder attention) are refused here, when vLLM builds the layer.
+
+    Decode context parallelism: every npu-attention provider the bridge plans with
+    returns the natural-log LSE, so vLLM may shard the KV cache over its DCP group
+    (``attention/context_parallel.py`` runs the layer then).
     """
+
+    # vLLM's DCP flags (AttentionImplBase): the LSE comes back for decodes (and every
+    # other batch), in natural-log units.
+    can_return_lse_for_decode: bool = True
+    lse_base_on_e: bool = True
+    supports_dcp: bool = True
 
     def __init__(
         self,
@@ -44,6 +55,8 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.kv_cache_split = kv_cache_split_of_platform()
+        if self.dcp_world_size > 1:  # set by vLLM's AttentionImplBase.__new__
+            refuse_under_dcp(self.dcp_world_size, sliding_window, kv_sharing_target_layer_name)
 
     def forward(
         self,
@@ -72,6 +85,21 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
         if attn_metadata is None:
             return output
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size, self.kv_cache_split)
+        if attn_metadata.dcp is not None:
+            from vllm.distributed.parallel_state import get_dcp_group
+
+            dcp_attention(
+                query,
+                key,
+                value,
+                key_cache,
+                value_cache,
+                output,
+                get_dcp_group(),
+                layer_name=layer.layer_name,
+                step_metadata=step_metadata_of(layer.layer_name, attn_metadata),
+            )
+            return output
         if self.kv_sharing_target_layer_name is not None:
             key = value = None
         run_attention(
@@ -105,6 +133,25 @@ def kv_cache_split_of_platform() -> str:
 
     # vLLM platforms answer None for attributes they lack.
     return getattr(current_platform, "kv_cache_split", None) or "packed"
+
+
+def refuse_under_dcp(
+    dcp_size: int, sliding_window: int | None, kv_sharing_target_layer_name: str | None
+) -> None:
+    """Raise ``ValueError`` for layer options the bridge's DCP attention cannot run."""
+    if sliding_window is not None:
+        raise ValueError(
+            f"npu-vllm-bridge runs decode context parallelism (decode_context_parallel_size="
+            f"{dcp_size}) for full attention only, got a layer with sliding_window="
+            f"{sliding_window} (a rank's KV share keeps no global positions); use "
+            "decode_context_parallel_size=1"
+        )
+    if kv_sharing_target_layer_name is not None:
+        raise ValueError(
+            f"npu-vllm-bridge does not run decode context parallelism (decode_context_"
+            f"parallel_size={dcp_size}) with layers that share another layer's KV cache "
+            f"(kv_sharing_target_layer_name={kv_sharing_target_layer_name!r})"
+        )
 
 
 def refuse_unsupported_layer(

