@@ -72,3 +72,10 @@ class PagedNzCacheMode(HostAscendProvider):
         ascend.torch_npu_module().npu_scatter_pa_kv_cache(
             key[:n], value[:n], key_cache, value_cache, plan.slot_mapping[:n]
         )
+
+
+class SpecDecodeWithoutMask(HostAscendProvider):
+    """Uses sparse_mode=0 without the mask in a verify step: draft tokens see later drafts."""
+
+    def prepare(self, plan):
+        return dataclasses.replace(super().prepare(plan), sparse_mode=0, atten_mask=None)

@@ -22,6 +22,7 @@ from ascend_cases import (
 )
 from schema_stand_in import NotModeled
 from torch_npu_schemas import SchemaViolation
+from verify_step_cases import gqa_verify_batch
 
 from npu_attention import register_provider
 
@@ -155,3 +156,63 @@ def test_a_correct_run_is_within_tolerance_for_the_same_cases(stand_in) -> None:
         batch = build_batch(_case(case_name))
         out = run_provider(batch, "ascend-recorded").out[: sum(batch.case.query_lens)]
         assert max_error(out, dense_reference(batch)) < DTYPE_TOLERANCE[batch.case.dtype]
+
+
+def _verify_call(stand_in) -> dict:
+    """The fused-op call of a padded verify step (``verify_step_cases``)."""
+    register_provider("ascend-recorded", "ascend_cases:HostAscendProvider")
+    run_provider(gqa_verify_batch(), "ascend-recorded")
+    (call,) = stand_in.log.of("npu_fused_infer_attention_score.out")
+    arguments = dict(call.arguments)
+    stand_in.npu_fused_infer_attention_score.out(**arguments)  # the baseline passes
+    return arguments
+
+
+def _per_request(ends: list[int]) -> list[int]:
+    return [ends[0], *(b - a for a, b in itertools.pairwise(ends))]
+
+
+@pytest.mark.parametrize(
+    ("mistake", "message"),
+    [
+        # query lengths [3, 3, ...] where TND wants cumulative ends [3, 6, ...]
+        ("per_request_query_lengths", r"actual_seq_lengths\[-1\] must equal T"),
+        # vLLM's padding unchanged: padding requests without tokens, padded rows after
+        ("padding_requests_without_tokens", r"actual_seq_lengths\[-1\] must equal T"),
+        ("cumulative_kv_lengths", "actual_seq_lengths_kv are per-request lengths"),
+        ("causal_without_mask", "sparse_mode=3 needs the 2048x2048 atten_mask"),
+        ("keep_matrix_mask", "True strictly above the diagonal"),
+    ],
+)
+def test_changed_verify_step_call_is_caught(stand_in, mistake: str, message: str) -> None:
+    arguments = _verify_call(stand_in)
+    ends, kv_lens = arguments["actual_seq_lengths"], arguments["actual_seq_lengths_kv"]
+    real = len(ends) - 2  # verify_step_cases.PADDING_REQUESTS
+    changes = {
+        "per_request_query_lengths": {"actual_seq_lengths": _per_request(ends)},
+        "padding_requests_without_tokens": {
+            "actual_seq_lengths": ends[:real] + [ends[real - 1]] * (len(ends) - real),
+            "actual_seq_lengths_kv": kv_lens[:real] + [0] * (len(ends) - real),
+        },
+        "cumulative_kv_lengths": {
+            "actual_seq_lengths_kv": torch.tensor(kv_lens).cumsum(0).tolist()
+        },
+        "causal_without_mask": {"atten_mask": None},
+        "keep_matrix_mask": {"atten_mask": ~arguments["atten_mask"]},
+    }
+    with pytest.raises(SchemaViolation, match=message):
+        stand_in.npu_fused_infer_attention_score.out(**{**arguments, **changes[mistake]})
+
+
+@pytest.mark.parametrize("provider", ["SpecDecodeWithoutMask", "TopLeftCausal"])
+def test_faulty_verify_step_provider_misses_the_reference(stand_in, provider: str) -> None:
+    """Masks the op accepts but that are wrong for a verify step: no mask (each draft
+    token sees the later drafts) and top-left causal (drafts lose their context)."""
+    name = f"ascend-faulty-{provider}"
+    register_provider(name, f"{FAULTY}:{provider}")
+    batch = gqa_verify_batch()
+    out = run_provider(batch, name).out[: sum(batch.case.query_lens)]
+    assert max_error(out, dense_reference(batch)) > 10 * DTYPE_TOLERANCE[batch.case.dtype]
+    register_provider("ascend-recorded", "ascend_cases:HostAscendProvider")
+    correct = run_provider(batch, "ascend-recorded").out[: sum(batch.case.query_lens)]
+    assert max_error(correct, dense_reference(batch)) < DTYPE_TOLERANCE[batch.case.dtype]

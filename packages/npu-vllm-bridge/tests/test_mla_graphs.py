@@ -1,6 +1,6 @@
 """MLA decode and spec decode as updatable host-graph tasks: capture once, update with
 each step's plan (KV lengths, cumulative query lengths, block table; padding requests
-with KV length 0), replay. Every replay must match a float64 absorbed-attention oracle over
+of ``q`` tokens over the null block, as the builder plans them), replay. Every replay must match a float64 absorbed-attention oracle over
 the raw latents; the control replays without the update and must be caught stale.
 """
 
@@ -16,7 +16,7 @@ from npu_vllm_bridge.attention.mla_builder import (
     BridgeMLAMetadata,
     MLARows,
     count_leading_decodes,
-    padding_requests_to_zero_kv,
+    pad_requests,
 )
 from npu_vllm_bridge.graphs.mla_tasks import run_mla_decode, run_mla_write_cache
 
@@ -38,9 +38,10 @@ def _step(contexts, cache, generator, q):
     tables = torch.zeros(BATCH, WIDTH, dtype=torch.int32)
     tables[: len(real)] = blocks.view(len(real), WIDTH).to(torch.int32)
     query_lens = [q] * len(real) + [0] * (BATCH - len(real))
-    seq_lens = [c + q for c in real] + [7] * (BATCH - len(real))
-    num_real = padding_requests_to_zero_kv(query_lens, seq_lens)
-    assert num_real == len(real) and seq_lens[num_real:] == [0] * (BATCH - num_real)
+    seq_lens = [c + q for c in real] + [0] * (BATCH - len(real))
+    num_real = pad_requests(query_lens, seq_lens, BATCH * q, q)
+    assert num_real == len(real)
+    assert query_lens[num_real:] == seq_lens[num_real:] == [q] * (BATCH - num_real)
     slots = torch.full((BATCH * q,), -1, dtype=torch.int64)
     latents = torch.randn(NUM_BLOCKS * BLOCK, RANK + ROPE, generator=generator)
     for i, context in enumerate(real):
@@ -68,7 +69,7 @@ def _step(contexts, cache, generator, q):
         decode=MLARows(BATCH, BATCH * q),
         prefill=None,
     )
-    return metadata, latents, tables, seq_lens
+    return metadata, latents, tables, seq_lens[:num_real]
 
 
 class _Inputs:
@@ -113,10 +114,11 @@ def _decode_step(inputs, cache, current):
 
 def _oracle(inputs, latents, tables, seq_lens, q) -> torch.Tensor:
     """float64 absorbed attention over the raw latents, query token ``t`` of a request
-    seeing its first ``seq_len - q + t + 1`` positions; padding rows are zero."""
-    out = torch.zeros(inputs.rows, HEADS, RANK, dtype=torch.float64)
+    seeing its first ``seq_len - q + t + 1`` positions: the rows of the real requests
+    (those of ``seq_lens``; padding rows attend the null block and are discarded)."""
+    out = torch.zeros(len(seq_lens) * q, HEADS, RANK, dtype=torch.float64)
     for i, seq_len in enumerate(seq_lens):
-        for t in range(q if seq_len else 0):
+        for t in range(q):
             positions = torch.arange(seq_len - q + t + 1)
             flat = tables[i, positions // BLOCK].long() * BLOCK + positions % BLOCK
             rows = latents[flat].double()
@@ -143,9 +145,8 @@ def _run_steps(update: bool, seed: int, q: int = 1) -> list[float]:
             assert registry.update("decode-4", {LAYER: metadata}) is True
         with graph_dispatch(RuntimeMode.FULL, "decode-4"):
             out = graph(None)
-        errors.append(
-            float((out.double() - _oracle(inputs, latents, tables, seq_lens, q)).abs().max())
-        )
+        expected = _oracle(inputs, latents, tables, seq_lens, q)
+        errors.append(float((out[: expected.shape[0]].double() - expected).abs().max()))
     assert graph.entry("decode-4").replays == len(STEPS) - 1
     return errors
 
@@ -165,9 +166,18 @@ def test_mla_replay_without_update_is_stale(q):
     assert min(errors[1:]) > 1e-2, errors
 
 
-def test_padding_requests_get_kv_length_zero_and_join_the_decodes():
-    query_lens, seq_lens = [1, 1, 2, 0, 0], [9, 4, 12, 1, 1]
-    assert padding_requests_to_zero_kv(query_lens, seq_lens) == 3
-    assert seq_lens == [9, 4, 12, 0, 0]
-    assert count_leading_decodes(query_lens, 2) == 3  # the builder then adds the padding
+def test_padding_requests_bring_the_spare_tokens_and_join_the_decodes():
+    """A verify step of 3 requests of 2 tokens padded to 10 tokens (5 requests): the
+    padding requests take 2 tokens and 2 keys each (cumulative query ends in multiples
+    of 2, every request of the fused op with 1 to 16 query tokens)."""
+    query_lens, seq_lens = [2, 2, 2, 0, 0], [9, 4, 12, 0, 0]
+    assert pad_requests(query_lens, seq_lens, 10, 2) == 3
+    assert query_lens == [2, 2, 2, 2, 2] and seq_lens == [9, 4, 12, 2, 2]
+    assert count_leading_decodes(query_lens, 2) == 5
     assert count_leading_decodes([1, 5, 1], 2) == 1
+
+
+def test_padding_requests_without_spare_tokens_get_kv_length_zero():
+    query_lens, seq_lens = [1, 1, 2, 0, 0], [9, 4, 12, 1, 1]
+    assert pad_requests(query_lens, seq_lens, 4, 2) == 3  # no spare token
+    assert query_lens == [1, 1, 2, 0, 0] and seq_lens == [9, 4, 12, 0, 0]

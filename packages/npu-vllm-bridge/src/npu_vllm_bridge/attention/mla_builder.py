@@ -23,7 +23,11 @@ from vllm.v1.attention.backend import (
 import npu_attention
 from npu_attention import AttentionPlan
 from npu_attention.mla import MLASpec
-from npu_vllm_bridge.attention.builder import attention_provider_name, cumulative
+from npu_vllm_bridge.attention.builder import (
+    attention_provider_name,
+    cumulative,
+    fill_padding_requests,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
@@ -43,7 +47,8 @@ class BridgeMLAMetadata:
 
     Attributes:
         plan: the step's ``npu_attention`` plan for an ``MLASpec``. Graph-padding
-            requests are in it with query length 0 and KV length 0.
+            requests are decodes of ``1 + k`` (or 1) padding tokens over as many keys
+            of the null block, as in GQA attention (``fill_padding_requests``).
         num_actual_tokens: query rows in the step, graph padding included.
         num_reqs: requests, graph padding included.
         num_decodes: leading requests of at most ``1 + num_speculative_tokens`` query
@@ -124,7 +129,7 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
     def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeMLAMetadata:
         block_tables = cm.block_table_tensor[: cm.num_reqs]
         query_lens, seq_lens = host_lens(cm, exact=self.exact_seq_lens)
-        num_real = padding_requests_to_zero_kv(query_lens, seq_lens)
+        num_real = pad_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
         if for_capture:
             longest = block_tables.shape[1] * self.spec.block_size
             if self.max_model_len is not None:
@@ -173,14 +178,22 @@ def host_lens(cm: CommonAttentionMetadata, exact: bool = False) -> tuple[list[in
     return query_lens, seq_lens[: cm.num_reqs].tolist()
 
 
-def padding_requests_to_zero_kv(query_lens: list[int], seq_lens: list[int]) -> int:
-    """Give the trailing graph-padding requests (query length 0) KV length 0, in place,
-    and return the number of real requests before them."""
+def pad_requests(
+    query_lens: list[int], seq_lens: list[int], num_tokens: int, max_decode_len: int
+) -> int:
+    """Turn the trailing graph-padding requests (query length 0) into decodes of the
+    spare tokens over the null block, in place (``fill_padding_requests``: ``1 + k``
+    tokens and keys each in a padded verify step, else 1), and return the number of
+    real requests. Ascend's fused MLA op takes 1 to 16 query tokens per request, so
+    padding requests bring tokens; any left without (too few spare tokens) get KV
+    length 0."""
     num_real = len(query_lens)
     while num_real and query_lens[num_real - 1] == 0:
         num_real -= 1
+    fill_padding_requests(query_lens, seq_lens, num_tokens, max_decode_len)
     for i in range(num_real, len(query_lens)):
-        seq_lens[i] = 0
+        if query_lens[i] == 0:
+            seq_lens[i] = 0
     return num_real
 
 
