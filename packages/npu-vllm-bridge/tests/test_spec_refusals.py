@@ -125,3 +125,13 @@ def test_draft_head_size_the_provider_lacks_is_refused(tmp_path):
 def test_mtp_needs_an_mla_target(tmp_path):
     with pytest.raises(ValueError, match=r"MTP speculative decoding .* only on MLA"):
         check_speculative(_config(_model(tmp_path / "target"), "mtp"))
+
+
+def test_a_draft_models_own_config_passes_the_startup_checks(tmp_path):
+    """vLLM checks the draft model's VllmConfig (``runner="draft"``) with the platform
+    when it loads a ``draft_model`` drafter; the bridge serves its attention too."""
+    draft = ModelConfig(
+        model=_write_config(tmp_path / "draft"), skip_tokenizer_init=True, runner="draft"
+    )
+    assert draft.runner_type == "draft"
+    checks.check_model_and_options(VllmConfig(model_config=draft))

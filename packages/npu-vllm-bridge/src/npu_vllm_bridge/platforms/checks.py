@@ -39,7 +39,8 @@ def _check_model(model_config) -> None:
 
         check_mla_model(model_config)
         return
-    if model_config.runner_type != "generate":
+    # "draft": a draft model, whose own VllmConfig vLLM checks when it loads the drafter.
+    if model_config.runner_type not in ("generate", "draft"):
         raise ValueError(
             f"{PREFIX} runs generative decoder models only; {name} is a "
             f"{model_config.runner_type!r} model"
