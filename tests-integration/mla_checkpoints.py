@@ -47,3 +47,62 @@ def write_mla_checkpoint(path: Path, **overrides) -> Path:
     model = transformers.DeepseekV3ForCausalLM(config).to(torch.float32)
     model.save_pretrained(path)
     return path
+
+
+def write_mtp_checkpoint(path: Path, num_mtp_layers: int = 1) -> Path:
+    """A DeepSeek-V3 checkpoint (``MLA``, float32) with ``num_mtp_layers`` MTP layers.
+
+    transformers writes the target layers and knows nothing of MTP layers; they are
+    added to its safetensors in the layout vLLM's ``DeepSeekMTP`` loads, after the
+    target's last layer ``L = num_hidden_layers``: ``model.layers.{L + i}.enorm``,
+    ``hnorm``, ``eh_proj`` (``[hidden, 2 * hidden]``), ``shared_head.norm``,
+    ``shared_head.head`` (an LM head), ``embed_tokens`` and a decoder layer shaped like
+    the target's (MLA attention, dense MLP). ``first_k_dense_replace`` is raised past
+    the MTP layers so that they are dense (the target's layers are dense either way).
+    Random weights: acceptance changes, greedy output does not.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    write_mla_checkpoint(path)
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    layers = config["num_hidden_layers"]
+    config["num_nextn_predict_layers"] = num_mtp_layers
+    config["first_k_dense_replace"] = layers + num_mtp_layers
+    config_path.write_text(json.dumps(config, indent=1))
+
+    weights_path = path / "model.safetensors"
+    weights = load_file(str(weights_path))
+    hidden, std = config["hidden_size"], config["initializer_range"]
+    generator = torch.Generator().manual_seed(4321)
+
+    def like(tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if "norm" in name:
+            return torch.ones_like(tensor)
+        return torch.randn(tensor.shape, generator=generator) * std
+
+    last = f"model.layers.{layers - 1}."
+    for i in range(num_mtp_layers):
+        prefix = f"model.layers.{layers + i}."
+        for name, tensor in list(weights.items()):
+            if name.startswith(last):
+                weights[prefix + name[len(last) :]] = like(tensor, name)
+        weights.update(
+            {
+                prefix + "enorm.weight": torch.ones(hidden),
+                prefix + "hnorm.weight": torch.ones(hidden),
+                prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=generator)
+                * std,
+                prefix + "shared_head.norm.weight": torch.ones(hidden),
+                prefix + "shared_head.head.weight": weights["lm_head.weight"].clone(),
+                prefix + "embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+            }
+        )
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        str(weights_path),
+        metadata={"format": "pt"},
+    )
+    return path

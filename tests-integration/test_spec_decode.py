@@ -3,10 +3,12 @@
 Greedy tokens with speculation must equal greedy tokens without it, token for token:
 rejection sampling keeps exactly the target's greedy tokens whatever the drafter
 proposes, so a random-weight EAGLE head changes the acceptance rate, not the output.
-Each drafter (ngram; an EAGLE head for the tiny Llama) runs eager, with
-FULL_DECODE_ONLY host graphs (verify steps of ``1 + k`` tokens per request replay
-FULL graphs after a task update; mixed steps run eagerly) and with
-FULL_AND_PIECEWISE (mixed steps replay the pieces; the EAGLE head's pieces too).
+Each drafter (ngram; an EAGLE head for the tiny Llama; MTP on a tiny DeepSeek-V3 with
+one MTP layer, whose attention is MLA) runs eager, with FULL_DECODE_ONLY host graphs
+(verify steps of ``1 + k`` tokens per request replay FULL graphs after a task update;
+mixed steps run eagerly) and with FULL_AND_PIECEWISE (mixed steps replay the pieces;
+the drafter's pieces too). Random drafters accept nothing; the target as its own
+``draft_model`` (FULL_DECODE_ONLY) accepts every draft token.
 
 Three prompts hold each token of the vocabulary once (3..511, shuffled), so that the
 ngram drafter always finds their last token in the prompt and proposes ``k`` tokens:
@@ -15,8 +17,8 @@ runs, ngram steps mix 1- and 3-token requests (PIECEWISE or eager). Requests fin
 at different steps, so verify batches shrink and are padded up to a captured size
 (padded requests).
 
-All engines run one after another in one subprocess (``spec_runner.py``) to pay
-Python, torch and vLLM start-up once.
+All engines of a model run one after another in one subprocess (``spec_runner.py``)
+to pay Python, torch and vLLM start-up once.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import pytest
 from draft_checkpoints import write_eagle_draft
+from mla_checkpoints import write_mtp_checkpoint
 
 RUNNER = Path(__file__).with_name("spec_runner.py")
 K = 2  # speculative tokens per verify step: uniform_decode_query_len = 3
@@ -110,13 +113,26 @@ def spec_results(checkpoints, tmp_path_factory) -> dict[str, dict]:
                 **options,
                 "speculative_config": _speculative_config(method, draft),
             }
-    spec = {
-        "model": str(target),
-        "prompts": _prompts(),
-        "max_tokens": MAX_TOKENS,
-        "engines": engines,
+    # The target as its own draft model: every draft token is accepted, so verify steps
+    # replay with accepted tokens (and the KV cache grows by 1 + k per step).
+    engines["self-draft-FULL_DECODE_ONLY"] = {
+        **ENGINE,
+        **MODES["FULL_DECODE_ONLY"],
+        "speculative_config": {
+            "method": "draft_model",
+            "model": str(target),
+            "num_speculative_tokens": K,
+        },
     }
-    spec_path = root / "spec.json"
+    return run_engines(target, _prompts(), MAX_TOKENS, engines, root / "spec.json")
+
+
+def run_engines(
+    model: Path, prompts: list[list[int]], max_tokens: list[int], engines: dict, spec_path: Path
+) -> dict[str, dict]:
+    """Run ``engines`` ({name: LLM kwargs}) on ``model`` one after another in one
+    ``spec_runner.py`` subprocess (host platform); their results by name."""
+    spec = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "engines": engines}
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", NPU_BRIDGE_DEVICE="cpu")
     proc = subprocess.run(
@@ -177,3 +193,109 @@ def test_too_many_speculative_tokens_are_refused_at_startup(spec_results):
     # vLLM's config validation wraps the platform's ValueError in a pydantic ValidationError.
     assert "at most 15 speculative tokens" in error, error
     assert "num_speculative_tokens=16" in error, error
+
+
+def _print_stats(name: str, result: dict) -> None:
+    stats = result["spec"]
+    print(
+        f"\n{name}: drafts {stats['num_drafts']}, draft tokens {stats['num_draft_tokens']}, "
+        f"accepted {stats['num_accepted_tokens']} (per position "
+        f"{stats['accepted_per_position']}); graph counters {result['counters']}; "
+        f"plan states {result['states']}"
+    )
+
+
+def test_self_draft_accepts_every_token(spec_results):
+    """The target as its own draft model (FULL_DECODE_ONLY): the same greedy tokens,
+    and every draft token accepted, so verify graphs replay after accepted tokens."""
+    reference, result = spec_results["reference"], spec_results["self-draft-FULL_DECODE_ONLY"]
+    assert "error" not in result, result["error"]
+    _print_stats("draft_model (the target itself) FULL_DECODE_ONLY", result)
+    assert result["tokens"] == reference["tokens"]
+    stats, counters = result["spec"], result["counters"]
+    assert stats["num_draft_tokens"] > 0, stats
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"], stats
+    assert counters["replayed_steps"] > 0, counters
+    assert counters["task_updates"] == counters["replayed_steps"], counters
+
+
+# -- MTP: a DeepSeek-V3-shaped (MLA) target with one next-token-prediction layer --------
+
+MTP_K = 1  # one MTP layer drafts one token: uniform_decode_query_len = 2
+MTP_PROMPT_LENGTHS = (9, 20, 33)
+MTP_MAX_TOKENS = [8, 6, 4]  # the verify batch shrinks: 3 requests pad to 4
+MTP_CAPTURE_SIZES = [2, 4, 8]  # up to 4 requests of 2 tokens
+MTP_ENGINE = dict(
+    dtype="float32",
+    block_size=16,
+    max_model_len=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,  # the 33-token prompt is a chunked prefill
+    enable_chunked_prefill=True,
+    enable_prefix_caching=False,
+    gpu_memory_utilization=0.2,
+    seed=0,
+)
+# vLLM's C++ rotary embedding differs from its torch one for this model; every engine
+# uses the torch ops (``custom_ops=["none"]``), as vLLM's compiled modes do (test_mla).
+MTP_MODES = {
+    "eager": dict(enforce_eager=True, compilation_config={"custom_ops": ["none"]}),
+    "FULL_DECODE_ONLY": dict(
+        enforce_eager=False,
+        compilation_config={
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": MTP_CAPTURE_SIZES,
+            "custom_ops": ["none"],
+        },
+    ),
+    "FULL_AND_PIECEWISE": dict(
+        enforce_eager=False,
+        compilation_config={
+            "mode": "VLLM_COMPILE",
+            "cudagraph_mode": "FULL_AND_PIECEWISE",
+            "cudagraph_capture_sizes": MTP_CAPTURE_SIZES,
+            "custom_ops": ["none"],
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def mtp_results(tmp_path_factory) -> dict[str, dict]:
+    """``reference`` (no speculation, eager) and ``mtp-{mode}`` on a tiny DeepSeek-V3
+    checkpoint with one MTP layer, all in one subprocess."""
+    root = tmp_path_factory.mktemp("spec-decode-mtp")
+    model = write_mtp_checkpoint(root / "deepseek-v3-mtp")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in MTP_PROMPT_LENGTHS]
+    engines = {"reference": {**MTP_ENGINE, **MTP_MODES["eager"]}}
+    for mode, options in MTP_MODES.items():
+        engines[f"mtp-{mode}"] = {
+            **MTP_ENGINE,
+            **options,
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": MTP_K},
+        }
+    return run_engines(model, prompts, MTP_MAX_TOKENS, engines, root / "spec.json")
+
+
+@pytest.mark.parametrize("mode", list(MTP_MODES))
+def test_mtp_keeps_greedy_tokens(mtp_results, mode):
+    reference = mtp_results["reference"]
+    assert "error" not in reference, reference["error"]
+    assert [len(t) for t in reference["tokens"]] == MTP_MAX_TOKENS
+    result = mtp_results[f"mtp-{mode}"]
+    assert "error" not in result, result["error"]
+    _print_stats(f"mtp {mode}", result)
+    for i, (ours, theirs) in enumerate(zip(result["tokens"], reference["tokens"])):
+        assert ours == theirs, f"prompt {i}: with MTP speculation {ours} != {theirs}"
+    stats, counters = result["spec"], result["counters"]
+    assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] > 0, stats
+    assert result["states"].get("SPEC_DECODING", 0) > 0, result["states"]
+    if mode == "eager":
+        assert counters["captured"] == 0 and counters["replayed_steps"] == 0, counters
+        return
+    # Verify steps of the MLA target replayed FULL graphs after a task update each.
+    assert counters["replayed_steps"] > 0, counters
+    assert counters["task_updates"] == counters["replayed_steps"], counters
+    if mode == "FULL_AND_PIECEWISE":
+        assert counters["replayed_pieces"] > 0, counters
