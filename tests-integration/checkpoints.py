@@ -20,9 +20,13 @@ COMMON = dict(
 
 
 def write_checkpoint(kind: str, path: Path, **overrides) -> Path:
-    """Write a ``llama`` or ``qwen2`` checkpoint to ``path`` and return it."""
+    """Write a ``llama``, ``llama_mqa`` (one KV head: MQA, what decode context
+    parallelism over two tensor-parallel ranks needs) or ``qwen2`` checkpoint to
+    ``path`` and return it."""
     import transformers
 
+    if kind == "llama_mqa":
+        return write_checkpoint("llama", path, **{"num_key_value_heads": 1, **overrides})
     if kind == "llama":
         config = transformers.LlamaConfig(
             **{**COMMON, "hidden_size": 128, "intermediate_size": 256, "head_dim": 64, **overrides}

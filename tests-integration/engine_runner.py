@@ -6,13 +6,15 @@ leaves vLLM on its own CPU platform (CPU_ATTN).
 
     python engine_runner.py SPEC.json
 
-SPEC: {"model": path, "engine": {LLM kwargs}, "rounds": [[{"prompt": [ids],
+SPEC: {"model": path, "engine": {LLM kwargs} (or "engines": [{LLM kwargs}, ...], run one
+after the other in this process), "rounds": [[{"prompt": [ids],
 "max_tokens": n, "stop_token_ids": [ids] (optional: without it, exactly max_tokens
 tokens)}, ...], ...], "host_platform": {HostPlatform attribute: value}}. Each round is one ``generate`` call; later rounds
 reuse the prefix cache of earlier ones. Output line: ``RESULT {"tokens": [[...]
 per round], "cached_tokens": [[prefix-cache hits per prompt] per round], "counters": {...}, "states": {...}, "backend": name}``
 (with several ranks also ``"rank_counters"``: each worker's counters and OpenMP binding) or
-``RESULT {"error": "Type: message"}`` when the engine refuses to start.
+``RESULT {"error": "Type: message"}`` when the engine refuses to start; with "engines",
+``RESULT {"runs": [one such object per engine]}``.
 """
 
 from __future__ import annotations
@@ -59,18 +61,38 @@ def main() -> None:
     states: Counter = Counter()
     if bridge:
         _record_plan_states(states)
-    from vllm import LLM, SamplingParams
+    from vllm import LLM  # noqa: F401  (before the platform's attributes are set)
 
     if bridge:
         from npu_vllm_bridge.platforms.host import HostPlatform
 
         for name, value in spec.get("host_platform", {}).items():
             setattr(HostPlatform, name, value)
-    try:
-        llm = LLM(model=spec["model"], skip_tokenizer_init=True, **spec["engine"])
-    except Exception as exc:  # the refusal under test
-        print("RESULT " + json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+    if "engines" not in spec:
+        result, _ = _run_engine(spec, spec["engine"], bridge, states)
+        print("RESULT " + json.dumps(result), flush=True)
         return
+    # Several engines one after the other in this process (vLLM imported once); each
+    # engine's workers are stopped before the next starts.
+    runs = []
+    for engine in spec["engines"]:
+        states.clear()
+        result, llm = _run_engine(spec, engine, bridge, states)
+        runs.append(result)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+    print("RESULT " + json.dumps({"runs": runs}), flush=True)
+
+
+def _run_engine(spec: dict, engine: dict, bridge: bool, states: Counter) -> tuple[dict, object]:
+    """One engine's rounds: (result, the LLM, or None when it refused to start)."""
+    from vllm import LLM, SamplingParams
+
+    try:
+        llm = LLM(model=spec["model"], skip_tokenizer_init=True, **engine)
+    except Exception as exc:  # the refusal under test
+        return {"error": f"{type(exc).__name__}: {exc}"}, None
     tokens, cached = [], []
     for round_ in spec["rounds"]:
         prompts = [{"prompt_token_ids": item["prompt"]} for item in round_]
@@ -98,7 +120,7 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     result["platform"] = type(current_platform).__name__
-    print("RESULT " + json.dumps(result), flush=True)
+    return result, llm
 
 
 if __name__ == "__main__":

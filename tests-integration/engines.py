@@ -46,12 +46,35 @@ def run_engine(
     ``bridge``, else vLLM's own CPU platform (CPU_ATTN); ``host_platform`` overrides
     attributes of the bridge's host platform; ``unset_env`` names variables removed
     from the engine's environment. Returns the runner's JSON."""
-    spec = {
-        "model": str(model),
-        "engine": {**ENGINE, **engine},
-        "rounds": rounds,
-        "host_platform": host_platform or {},
-    }
+    spec = {"engine": {**ENGINE, **engine}}
+    return _run_spec(model, rounds, spec, bridge, tmp_path, host_platform, unset_env)
+
+
+def run_engines(
+    model: Path,
+    rounds: list[list[dict]],
+    engines: list[dict],
+    *,
+    bridge: bool,
+    tmp_path: Path,
+    unset_env: tuple[str, ...] = (),
+) -> list[dict]:
+    """``run_engine`` for several engines (``ENGINE`` updated by each of ``engines``),
+    one after the other in one process (vLLM is imported once). Returns one result each."""
+    spec = {"engines": [{**ENGINE, **engine} for engine in engines]}
+    return _run_spec(model, rounds, spec, bridge, tmp_path, None, unset_env)["runs"]
+
+
+def _run_spec(
+    model: Path,
+    rounds: list[list[dict]],
+    spec: dict,
+    bridge: bool,
+    tmp_path: Path,
+    host_platform: dict | None,
+    unset_env: tuple[str, ...],
+) -> dict:
+    spec = {**spec, "model": str(model), "rounds": rounds, "host_platform": host_platform or {}}
     spec_path = tmp_path / f"spec-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")

@@ -9,8 +9,8 @@ context lengths change every step and padded requests get 0. A replay after
 lengths was skipped does not (the host graph bakes host arguments as an NPU task
 does), which is how a runner that forgets the update is caught.
 
-The bridge does not run DCP yet (``platforms/context_parallel_checks.py`` refuses
-it); this covers the npu-attention + npu-graphs part of issue 13.
+This covers npu-attention + npu-graphs alone; the bridge runs DCP inside vLLM in
+``test_decode_context_parallel.py``.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from dcp_steps import (
 )
 
 from npu_attention import dcp_local_seq_lens
+from npu_attention.context_parallel import dcp_slot_mapping
 from npu_vllm_bridge.attention import context_parallel as cp
 from npu_vllm_bridge.attention.context_parallel import dcp_attention
 
@@ -292,3 +293,27 @@ def test_context_parallel_checks_refuse_what_does_not_run(config, message):
 
     with pytest.raises(ValueError, match=message):
         check_context_parallel(_config(**config))
+
+
+@pytest.mark.parametrize(
+    ("cp_size", "rank", "interleave"), [(2, 0, 1), (2, 1, 1), (2, 1, 16), (4, 3, 8)]
+)
+def test_host_slot_mapping_follows_vllm_dcp_rule(cp_size, rank, interleave):
+    """The host platform's slot-mapping kernel (vLLM's CPU one refuses CP) against
+    npu-attention's DCP slot mapping; padding rows of the buffer get -1."""
+    from npu_vllm_bridge.worker.host_slot_mapping import compute_slot_mapping
+
+    query_lens, context = [1, 3, 20], [70, 0, 33]
+    qsl = torch.tensor([0, 1, 4, 24], dtype=torch.int32)
+    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context, query_lens)])
+    table = torch.randperm(40)[:24].view(3, 8).to(torch.int32)
+    slots = torch.full((32,), 7, dtype=torch.int64)
+    compute_slot_mapping(
+        24, 32, qsl, positions, table, 8, slots, BLOCK_SIZE, cp_size, rank, interleave, -1, 1024
+    )
+    request = torch.repeat_interleave(torch.arange(3), torch.tensor(query_lens))
+    expected = dcp_slot_mapping(
+        positions.numpy(), request.numpy(), table.numpy(), BLOCK_SIZE, cp_size, rank, interleave
+    )
+    assert slots[:24].tolist() == expected.tolist()
+    assert (slots[24:] == -1).all()

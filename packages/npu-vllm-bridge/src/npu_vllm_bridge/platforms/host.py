@@ -58,6 +58,18 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
             parallel.worker_cls = HOST_WORKER
         _default_omp_threads_bind(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
 
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        """vLLM's CPU replacements of its Triton kernels, with a slot mapping that
+        serves decode context parallelism (vLLM's CPU one refuses it)."""
+        super().register_triton_kernel_overrides()
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:  # else vLLM's Triton kernel runs as it is
+            from npu_vllm_bridge.worker import host_slot_mapping
+
+            host_slot_mapping.register()
+
 
 def _mla_scheduling(vllm_config: VllmConfig) -> list[tuple[object, str, object]]:
     """The chunked-prefill, prefix-caching, token-budget and block-size settings of an

