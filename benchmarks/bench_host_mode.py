@@ -12,7 +12,11 @@ answers ``--num-requests`` chat prompts in one batch and reports:
   eager's from the same invocation (CPU times are only comparable within one run);
 * graph memory: the bytes the captured graphs hold (``capture_bytes`` of the bridge's
   counters), the estimate made before the KV cache was sized (``estimated_bytes``),
-  and the capture time.
+  and the capture time; next to them, the tokens of the mode's largest graph, the
+  peak bytes of intermediates that one eager forward of that many tokens keeps alive
+  at once (measured in the eager engine on a prefill of that many uncached tokens,
+  by ``npu_graphs.live_bytes.LiveBytes``, independent of the graphs' own
+  accounting), and the ratio of the graphs' bytes to it.
 
     python benchmarks/bench_host_mode.py --modes eager,FULL_DECODE_ONLY \\
         --max-num-seqs 16 --max-model-len 2048 --num-requests 16 --max-tokens 64
@@ -95,6 +99,53 @@ def _timed_chat(llm, conversations: list, max_tokens: int) -> tuple[float, int]:
     return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def _probe_forward_peaks(model, token_counts: tuple[int, ...]) -> None:
+    """Make ``model`` record, per forward of a token count in ``token_counts``, the peak
+    bytes of intermediates alive at once (its output excluded), kept as the largest
+    seen per count in ``model.forward_peaks``."""
+    import torch
+
+    from npu_graphs.live_bytes import LiveBytes
+
+    forward, peaks = model.forward, {}
+
+    def probed(*args, **kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None or input_ids.shape[0] not in token_counts:
+            return forward(*args, **kwargs)
+        with torch.no_grad(), LiveBytes() as tracker:
+            out = forward(*args, **kwargs)
+        num_tokens = int(input_ids.shape[0])
+        peak = tracker.peak - out.untyped_storage().nbytes()
+        peaks[num_tokens] = max(peaks.get(num_tokens, 0), peak)
+        return out
+
+    model.forward, model.forward_peaks = probed, peaks
+
+
+def eager_forward_peaks(llm, token_counts: tuple[int, ...]) -> dict[str, int]:
+    """Peak intermediates of an eager forward of each of ``token_counts`` tokens: one
+    prefill of that many random, uncached tokens per count."""
+    import random
+
+    from vllm import SamplingParams
+
+    llm.apply_model(lambda model: _probe_forward_peaks(model, token_counts))
+    rng = random.Random(0)
+    for count in token_counts:
+        ids = [rng.randrange(1000, 40000) for _ in range(count)]
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)
+    (peaks,) = llm.apply_model(lambda model: dict(model.forward_peaks))
+    return {str(count): peaks.get(count, 0) for count in token_counts}
+
+
+def largest_graph_tokens(llm, mode: str, max_num_seqs: int) -> int:
+    """Tokens of the largest graph ``mode`` captures (FULL_DECODE_ONLY: decode batches
+    only, at most ``max_num_seqs``)."""
+    largest = llm.llm_engine.vllm_config.compilation_config.max_cudagraph_capture_size or 0
+    return min(largest, max_num_seqs) if mode == "FULL_DECODE_ONLY" else largest
+
+
 def run_child(args: argparse.Namespace) -> dict:
     """Start one engine in this process for ``args.child`` and measure it."""
     from host_threads import set_default_omp_threads
@@ -123,7 +174,13 @@ def run_child(args: argparse.Namespace) -> dict:
         decode_tokens = tokens - len(conversations)
         decode.append(decode_tokens / max(full_s - prefill_s, 1e-9))
     counters = graph_counters().as_dict()
-    return {"startup_s": startup_s, "decode_tokens_per_s": max(decode), "counters": counters}
+    result = {"startup_s": startup_s, "decode_tokens_per_s": max(decode), "counters": counters}
+    if args.child == "eager":
+        sizes = (args.max_num_seqs, 2 * args.max_num_seqs)  # vLLM's capture sizes end at 2x
+        result["eager_forward_peak_bytes"] = eager_forward_peaks(llm, sizes)
+    else:
+        result["largest_graph_tokens"] = largest_graph_tokens(llm, args.child, args.max_num_seqs)
+    return result
 
 
 def run_mode(args: argparse.Namespace, mode: str) -> dict:
@@ -148,6 +205,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
 def table_rows(results: list[dict]) -> list[dict]:
     """One printable row per mode; ratios against eager from the same invocation."""
     eager = next((r for r in results if r["mode"] == "eager" and r["ok"]), None)
+    peaks = eager.get("eager_forward_peak_bytes", {}) if eager else {}
     rows = []
     for r in results:
         if not r["ok"]:
@@ -155,6 +213,7 @@ def table_rows(results: list[dict]) -> list[dict]:
             continue
         c = r["counters"]
         rate = r["decode_tokens_per_s"]
+        peak = peaks.get(str(r.get("largest_graph_tokens")), 0)
         rows.append(
             {
                 "mode": r["mode"],
@@ -162,8 +221,11 @@ def table_rows(results: list[dict]) -> list[dict]:
                 "decode tok/s": f"{rate:.1f}",
                 "vs eager": f"{rate / eager['decode_tokens_per_s']:.2f}x" if eager else "-",
                 "graphs": c["captured"],
-                "graph MiB held": f"{c['capture_bytes'] / 2**20:.1f}",
-                "estimate MiB": f"{c['estimated_bytes'] / 2**20:.1f}",
+                "graph MiB held": f"{c['capture_bytes'] / 2**20:.2f}",
+                "estimate MiB": f"{c['estimated_bytes'] / 2**20:.2f}",
+                "largest graph": r.get("largest_graph_tokens", "-"),
+                "its eager peak MiB": f"{peak / 2**20:.2f}" if peak else "-",
+                "held / peak": f"{c['capture_bytes'] / peak:.2f}x" if peak else "-",
                 "capture s": f"{c['capture_seconds']:.1f}",
             }
         )
