@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from npu_attention import _inputs
+from npu_attention.mla.spec import MLASpec
 from npu_attention.plan import AttentionPlan, HostArrays, build_plan
 from npu_attention.spec import AttentionSpec
 
@@ -135,7 +136,7 @@ def plan_context(
     context_lens: Any,
     block_tables: Any,
     num_decodes: int,
-    spec: AttentionSpec,
+    spec: AttentionSpec | MLASpec,
     *,
     device: torch.device | str | None = None,
     provider: str | None = None,
@@ -160,23 +161,21 @@ def plan_context(
 
     ``spec`` is the layer's spec; its causal mask does not apply (every context
     key precedes every query). A sliding window needs global positions that a
-    rank's share does not keep, and is refused.
+    rank's share does not keep, and is refused. With an ``MLASpec`` the plan is one
+    of decodes only (``num_decodes`` must be every request, each of one query token:
+    the bridge makes a request of each token under DCP); ``mla_decode(..., lse=)``
+    then attends each row over its request's ``context_lens[i]`` latents.
 
     Raises:
-        ValueError / TypeError: as ``plan``, and for a ``sliding_window``.
+        ValueError / TypeError: as ``plan``, for a ``sliding_window``, and for an
+            ``MLASpec`` plan with a request of more than one query token or prefills.
     """
-    if not isinstance(spec, AttentionSpec):
-        raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
-    if spec.sliding_window is not None:
-        raise ValueError(
-            "plan_context does not support sliding_window (a rank's context share has "
-            f"no global positions), got sliding_window={spec.sliding_window}"
-        )
     cu = _inputs.as_host_array(cu_seqlens_q, "cu_seqlens_q")
     ctx = _inputs.as_host_array(context_lens, "context_lens")
     query_lens = _inputs.check_cu_seqlens(cu, ctx)
     if ctx.min(initial=0) < 0:
         raise ValueError(f"context_lens must be non-negative, got {ctx.tolist()}")
+    spec = _context_spec(spec, query_lens, num_decodes)
     host = HostArrays(cu, query_lens, ctx, ctx)
     if slot_mapping is None:
         slot_mapping = torch.full((int(cu[-1]),), -1, dtype=torch.int64)
@@ -185,12 +184,32 @@ def plan_context(
         block_tables,
         slot_mapping,
         num_decodes,
-        dataclasses.replace(spec, causal=False),
+        spec,
         device,
         provider,
         buffers,
         num_blocks,
     )
+
+
+def _context_spec(spec: Any, query_lens: np.ndarray, num_decodes: int) -> Any:
+    """The spec a context plan runs: non-causal attention, or MLA decodes of one token."""
+    if isinstance(spec, MLASpec):
+        if num_decodes != len(query_lens) or query_lens.max(initial=0) > 1:
+            raise ValueError(
+                "plan_context with an MLASpec plans decodes of one query token each "
+                f"(num_decodes = every request), got num_decodes={num_decodes} of "
+                f"{len(query_lens)} requests with query lengths {query_lens.tolist()}"
+            )
+        return spec
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"spec must be an AttentionSpec or MLASpec, got {type(spec).__name__}")
+    if spec.sliding_window is not None:
+        raise ValueError(
+            "plan_context does not support sliding_window (a rank's context share has "
+            f"no global positions), got sliding_window={spec.sliding_window}"
+        )
+    return dataclasses.replace(spec, causal=False)
 
 
 # ------------------------------------------------------------------ merge

@@ -52,21 +52,27 @@ def run(
     if lse is None:
         provider.attend(query, key_cache, value_cache, plan, out, key, value)
     else:
-        _check_lse(lse, plan)
+        check_lse(lse, plan)
         provider.attend(query, key_cache, value_cache, plan, out, key, value, lse=lse)
     return out
 
 
-def _check_lse(lse: torch.Tensor, plan: AttentionPlan) -> None:
+def check_lse(lse: torch.Tensor, plan: AttentionPlan, rows: str = "num_actual_tokens") -> None:
+    """``lse`` is float32 ``[>= plan.<rows>, num_heads]`` on the plan's device and the
+    provider can write it.
+
+    Raises:
+        TypeError / ValueError: naming what was expected and what came.
+    """
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
     if lse.dtype != torch.float32:
         raise TypeError(f"lse must have dtype torch.float32, got {lse.dtype}")
     heads = plan.spec.num_heads
-    if lse.dim() != 2 or lse.shape[1] != heads or lse.shape[0] < plan.num_actual_tokens:
+    count = getattr(plan, rows)
+    if lse.dim() != 2 or lse.shape[1] != heads or lse.shape[0] < count:
         raise ValueError(
-            f"lse must have shape [>= num_actual_tokens={plan.num_actual_tokens}, {heads}], "
-            f"got {tuple(lse.shape)}"
+            f"lse must have shape [>= {rows}={count}, {heads}], got {tuple(lse.shape)}"
         )
     if lse.device != plan.device:
         raise ValueError(f"lse must be on {plan.device}, got {lse.device}")

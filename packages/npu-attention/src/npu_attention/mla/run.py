@@ -15,6 +15,7 @@ from npu_attention.mla.cache import LatentCache, check_latent_cache
 from npu_attention.mla.spec import MLASpec
 from npu_attention.plan import AttentionPlan
 from npu_attention.providers.mla_base import KVUpProjection
+from npu_attention.run import check_lse
 
 
 def mla_write_cache(
@@ -48,6 +49,8 @@ def mla_decode(
     cache: LatentCache,
     plan: AttentionPlan,
     out: torch.Tensor,
+    *,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed (MQA) attention of the plan's decode requests; returns ``out``.
 
@@ -63,10 +66,15 @@ def mla_decode(
         plan: from ``npu_attention.plan`` with an ``MLASpec``.
         out: ``[rows, num_heads, kv_lora_rank]``, written for the decode rows only
             (the caller up-projects it with ``W_UV``).
+        lse: optional float32 ``[rows, num_heads]``: each decode row's natural-log
+            log-sum-exp of its scaled scores, ``-inf`` for a request of KV length 0
+            (whose ``out`` rows are zeros); what decode context parallelism merges
+            by (``merge_attention_states``).
 
     Raises:
         TypeError: a plan not made for an ``MLASpec``, or wrong dtypes.
-        ValueError: shapes or devices that disagree with the plan.
+        ValueError: shapes or devices that disagree with the plan, or ``lse`` asked
+            of a provider that cannot write it.
     """
     spec = _mla_spec(plan)
     rows = plan.num_decode_tokens
@@ -74,8 +82,13 @@ def mla_decode(
     _check_rows("q_rope", q_rope, plan, (spec.num_heads, spec.qk_rope_head_dim), rows)
     _check_rows("out", out, plan, (spec.num_heads, spec.kv_lora_rank), rows)
     check_latent_cache(cache, spec, plan.device)
+    if lse is not None:
+        check_lse(lse, plan, "num_decode_tokens")
     if rows:
-        plan.provider.decode(q_latent, q_rope, cache, plan, out)
+        if lse is None:
+            plan.provider.decode(q_latent, q_rope, cache, plan, out)
+        else:
+            plan.provider.decode(q_latent, q_rope, cache, plan, out, lse=lse)
     return out
 
 

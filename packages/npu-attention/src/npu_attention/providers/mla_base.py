@@ -42,6 +42,8 @@ class MLAProvider(ABC):
 
     name: ClassVar[str]
     device_types: ClassVar[tuple[str, ...]]
+    # Whether ``decode`` can also write the rows' log-sum-exp (``lse=``).
+    returns_lse: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls) -> bool:
@@ -77,10 +79,14 @@ class MLAProvider(ABC):
         cache: LatentCache,
         plan: AttentionPlan,
         out: torch.Tensor,
+        *,
+        lse: torch.Tensor | None = None,
     ) -> None:
         """Absorbed attention of the decode rows: ``q_latent`` ``[rows, N, L]`` and
         ``q_rope`` ``[rows, N, R]`` against the cached latents; writes ``out`` ``[rows, N, L]``
-        (latent space) for rows ``< plan.num_decode_tokens``."""
+        (latent space) for rows ``< plan.num_decode_tokens``, and with ``lse`` (float32
+        ``[rows, N]``, only asked of providers whose ``returns_lse`` is True) each such
+        row's natural-log log-sum-exp of its scaled scores (``-inf`` with no key)."""
 
     @abstractmethod
     def prefill(

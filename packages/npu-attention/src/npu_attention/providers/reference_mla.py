@@ -56,6 +56,9 @@ class ReferenceMLAData:
     decode_tiles: tuple[Tile, ...]
     prefill: PrefillPages | None
     kv_write: KVWrite | None
+    # int64 decode rows of requests with KV length 0 (a DCP rank holding none of a
+    # request's keys): zeros in ``out``, ``-inf`` in ``lse``; None: there are none
+    keyless_rows: torch.Tensor | None = None
 
 
 class ReferenceMLAProvider(MLAProvider):
@@ -63,6 +66,7 @@ class ReferenceMLAProvider(MLAProvider):
 
     name: ClassVar[str] = "reference"
     device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    returns_lse: ClassVar[bool] = True
 
     def prepare(self, plan: AttentionPlan) -> ReferenceMLAData:
         require_cache(plan)
@@ -70,6 +74,7 @@ class ReferenceMLAProvider(MLAProvider):
             decode_tiles=decode_tiles(plan),
             prefill=prefill_pages(plan),
             kv_write=_kv_write(plan),
+            keyless_rows=keyless_decode_rows(plan),
         )
 
     def write_cache(
@@ -93,10 +98,17 @@ class ReferenceMLAProvider(MLAProvider):
         cache: LatentCache,
         plan: AttentionPlan,
         out: torch.Tensor,
+        *,
+        lse: torch.Tensor | None = None,
     ) -> None:
         spec = plan.spec
         rows = plan.num_decode_tokens
         query = torch.cat([q_latent[:rows], q_rope[:rows]], dim=-1)
+        keyless = plan.provider_data.keyless_rows
+        if keyless is not None:
+            out.index_fill_(0, keyless, 0.0)
+            if lse is not None:
+                lse.index_fill_(0, keyless, float("-inf"))
         for tile in plan.provider_data.decode_tiles:
             latent = torch.cat(
                 [
@@ -105,7 +117,7 @@ class ReferenceMLAProvider(MLAProvider):
                 ],
                 dim=-1,
             ).view(tile.batch, tile.key_len, 1, spec.latent_dim)
-            _attend_tile(query, latent, latent[..., : spec.kv_lora_rank], tile, spec, out)
+            _attend_tile(query, latent, latent[..., : spec.kv_lora_rank], tile, spec, out, lse)
 
     def prefill(
         self,
@@ -128,12 +140,26 @@ class ReferenceMLAProvider(MLAProvider):
 def decode_tiles(plan: AttentionPlan) -> tuple[Tile, ...]:
     """Tiles of the decode requests: MQA over latent rows (one KV head, width L + R)."""
     host = plan.host_arrays
-    decodes = np.flatnonzero(host.query_lens[: plan.num_decodes] > 0)
+    decodes = np.flatnonzero(
+        (host.query_lens[: plan.num_decodes] > 0) & (host.seq_lens[: plan.num_decodes] > 0)
+    )
     if not decodes.size:
         return ()
     spec = plan.spec
     proxy = _proxy_spec(spec, num_kv_heads=1, head_size=spec.latent_dim)
     return tuple(_group_tiles(dataclasses.replace(plan, spec=proxy), host, decodes))
+
+
+def keyless_decode_rows(plan: AttentionPlan) -> torch.Tensor | None:
+    """Rows of the decode requests that have no key at all (KV length 0), or None."""
+    host = plan.host_arrays
+    keyless = np.flatnonzero(
+        (host.seq_lens[: plan.num_decodes] == 0) & (host.query_lens[: plan.num_decodes] > 0)
+    )
+    if not keyless.size:
+        return None
+    starts, ends = host.cu_seqlens_q[keyless], host.cu_seqlens_q[keyless + 1]
+    return _to(np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]), plan.device)
 
 
 def prefill_pages(plan: AttentionPlan) -> PrefillPages | None:
@@ -193,12 +219,25 @@ def _attend_tile(
     tile: Tile,
     spec: MLASpec,
     out: torch.Tensor,
+    lse: torch.Tensor | None = None,
 ) -> None:
     heads, width = query.shape[1], query.shape[2]
     tile_q = query.index_select(0, tile.query_tokens).view(tile.batch, tile.query_len, heads, width)
     rows = masked_attention(
-        tile_q, keys, values, tile.hidden, spec.softmax_scale, None, tile.past_end
+        tile_q,
+        keys,
+        values,
+        tile.hidden,
+        spec.softmax_scale,
+        None,
+        tile.past_end,
+        return_lse=lse is not None,
     )
+    if lse is not None:
+        rows, row_lse = rows
+        if tile.out_rows is not None:
+            row_lse = row_lse.index_select(0, tile.out_rows)
+        lse.index_copy_(0, tile.out_tokens, row_lse)
     if tile.out_rows is not None:
         rows = rows.index_select(0, tile.out_rows)
     out.index_copy_(0, tile.out_tokens, rows.to(out.dtype))

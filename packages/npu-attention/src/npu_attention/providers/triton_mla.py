@@ -49,6 +49,7 @@ class TritonMLAProvider(ReferenceMLAProvider):
 
     name: ClassVar[str] = "triton"
     device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    returns_lse: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.block_h = 16
@@ -96,6 +97,8 @@ class TritonMLAProvider(ReferenceMLAProvider):
         cache: LatentCache,
         plan: AttentionPlan,
         out: torch.Tensor,
+        *,
+        lse: torch.Tensor | None = None,
     ) -> None:
         from npu_attention.providers.triton_kernels.mla_decode import mla_decode_attention
 
@@ -114,6 +117,7 @@ class TritonMLAProvider(ReferenceMLAProvider):
             max_query_len=1 + spec.num_speculative_tokens,
             scale=spec.softmax_scale,
             config=self.decode_config(plan.provider_data.num_kv_splits),
+            lse=lse,
         )
 
     def decode_config(self, num_kv_splits: int) -> MLADecodeConfig:

@@ -9,6 +9,8 @@ them: scores are ``q_latent . kv_c + q_rope . k_pe`` and the output accumulates
 
 With one split the program writes the normalized output; with several, each split
 writes its partial output and log-sum-exp (base 2) and a second launch merges them.
+With ``WRITE_LSE`` the row's natural-log log-sum-exp is written too (``-inf`` for a
+request of KV length 0, whose output is zeros), by whichever launch writes the output.
 Per-step arguments (query offsets, sequence lengths, block tables) are read on the
 device and the grid depends only on the plan's request count and the split count,
 so the launches can be captured in a device graph.
@@ -49,6 +51,7 @@ def _mla_decode_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     out_ptr,
+    lse_ptr,
     partial_out_ptr,
     partial_lse_ptr,
     scale_log2,
@@ -69,6 +72,8 @@ def _mla_decode_kernel(
     stride_ot,
     stride_oh,
     stride_od,
+    stride_lt,
+    stride_lh,
     NUM_HEADS: tl.constexpr,
     LATENT: tl.constexpr,
     LATENT_PAD: tl.constexpr,
@@ -80,6 +85,7 @@ def _mla_decode_kernel(
     PAGE: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     request = tl.program_id(0)
     split = tl.program_id(2)
@@ -152,6 +158,7 @@ def _mla_decode_kernel(
         m_i = m_new
 
     normalized = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
     if SPLITS == 1:
         tl.store(
             out_ptr
@@ -161,6 +168,12 @@ def _mla_decode_kernel(
             normalized.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & l_ok[None, :],
         )
+        if WRITE_LSE:
+            tl.store(
+                lse_ptr + q_rows * stride_lt + head * stride_lh,
+                lse2 * 0.6931471805599453,
+                mask=row_ok,
+            )
     else:
         partial = (q_rows * NUM_HEADS + head) * SPLITS + split
         tl.store(
@@ -168,8 +181,7 @@ def _mla_decode_kernel(
             normalized,
             mask=row_ok[:, None],
         )
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(partial_lse_ptr + partial, lse, mask=row_ok)
+        tl.store(partial_lse_ptr + partial, lse2, mask=row_ok)
 
 
 @triton.jit
@@ -177,14 +189,18 @@ def _merge_splits_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
+    lse_ptr,
     stride_ot,
     stride_oh,
     stride_od,
+    stride_lt,
+    stride_lh,
     NUM_HEADS: tl.constexpr,
     LATENT: tl.constexpr,
     LATENT_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -207,6 +223,9 @@ def _merge_splits_kernel(
         merged.to(out_ptr.dtype.element_ty),
         mask=offs_l < LATENT,
     )
+    if WRITE_LSE:
+        row_lse = tl.where(total == 0.0, float("-inf"), top + tl.log2(total))
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh, row_lse * 0.6931471805599453)
 
 
 def mla_decode_attention(
@@ -224,6 +243,7 @@ def mla_decode_attention(
     max_query_len: int,
     scale: float,
     config: MLADecodeConfig,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """Absorbed attention of the first ``num_decodes`` requests (see the module doc).
 
@@ -234,6 +254,8 @@ def mla_decode_attention(
             seq_lens: int32 ``[reqs]`` (device).
         out: ``[tokens, N, L]``, rows ``< num_decode_tokens`` written.
         max_query_len: bound on a decode request's query tokens (sets the rows per program).
+        lse: optional float32 ``[tokens, N]``, rows ``< num_decode_tokens`` get the
+            natural-log log-sum-exp.
     """
     num_heads, latent = q_latent.shape[1], q_latent.shape[2]
     rope = q_rope.shape[2]
@@ -253,6 +275,8 @@ def mla_decode_attention(
             num_decode_tokens * num_heads * splits, dtype=torch.float32, device=out.device
         )
     grid = (num_decodes, triton.cdiv(num_heads, block_h), splits)
+    lse_arg = out if lse is None else lse  # unused without WRITE_LSE
+    lse_strides = (0, 0) if lse is None else lse.stride()
     _mla_decode_kernel[grid](
         q_latent,
         q_rope,
@@ -262,6 +286,7 @@ def mla_decode_attention(
         cu_seqlens_q,
         seq_lens,
         out,
+        lse_arg,
         partial_out,
         partial_lse,
         scale * _LOG2E,
@@ -271,6 +296,7 @@ def mla_decode_attention(
         *k_pe_cache.stride(),
         *block_tables.stride(),
         *out.stride(),
+        *lse_strides,
         NUM_HEADS=num_heads,
         LATENT=latent,
         LATENT_PAD=latent_pad,
@@ -282,6 +308,7 @@ def mla_decode_attention(
         PAGE=kv_c_cache.shape[1],
         SPLITS=splits,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        WRITE_LSE=lse is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -290,11 +317,14 @@ def mla_decode_attention(
             partial_out,
             partial_lse,
             out,
+            lse_arg,
             *out.stride(),
+            *lse_strides,
             NUM_HEADS=num_heads,
             LATENT=latent,
             LATENT_PAD=latent_pad,
             SPLITS=splits,
             SPLITS_PAD=next_power_of_2(splits),
+            WRITE_LSE=lse is not None,
             num_warps=4,
         )
