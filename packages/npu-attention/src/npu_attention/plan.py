@@ -163,7 +163,7 @@ def build_plan(
     tables, slots = _tables_and_slots(
         block_tables, slot_mapping, host, spec, num_blocks, max_seq_len
     )
-    device = _inputs.resolve_device(device, tables)
+    device = _resolve_device(device, tables)
     chosen = get_provider(provider, device, family=spec.provider_family)
     chosen.check_spec(spec)
     if buffers is None:
@@ -221,6 +221,28 @@ def _classify(
     if max_context_len > 0:
         return BatchState.PREFILL_CACHE_HIT
     return BatchState.PREFILL_NO_CACHE
+
+
+# Devices whose availability ``_inputs.resolve_device`` has confirmed: it does not change
+# within a process, and asking torch again costs host time every step.
+_CHECKED_DEVICES: dict[tuple[Any, torch.device], torch.device] = {}
+
+
+def _resolve_device(device: torch.device | str | None, tables: torch.Tensor) -> torch.device:
+    """``_inputs.resolve_device``, checked once per (``device``, tables' device); an
+    accelerator named without an index still follows the backend's current device."""
+    key = (device, tables.device)
+    resolved = _CHECKED_DEVICES.get(key)
+    if resolved is None:
+        resolved = _inputs.resolve_device(device, tables)
+        if len(_CHECKED_DEVICES) < 64:
+            _CHECKED_DEVICES[key] = resolved
+        return resolved
+    requested = tables.device if device is None else torch.device(device)
+    if requested.type == "cpu" or requested.index is not None:
+        return resolved
+    backend = getattr(torch, requested.type)
+    return torch.device(requested.type, backend.current_device())
 
 
 def _host_arrays(cu_seqlens_q: Any, seq_lens: Any) -> HostArrays:
