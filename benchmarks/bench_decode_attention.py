@@ -10,7 +10,11 @@ choice (``default``) and restricted to cuDNN (``cudnn``) and FlashAttention-2
 (``flash``); each peer is the faster of ``enable_gqa=True`` and the query heads of a
 KV head packed as rows of one query (``n/a``: the backend refused both).
 Both are timed as CUDA-graph replays (no host launch overhead; decode runs that
-way in serving), the L2 cache cleared before each replay.
+way in serving), the L2 cache cleared before each replay. For batches up to 16, two
+kernel-only times (``_kernel_time``) follow for triton and the SDPA peers: ``*_kernel_us``,
+the profiler's kernel durations summed per call (L2 cleared before each), and
+``*_amortized_us``, one graph of 32 calls over 5 copies of the data (more than the L2
+holds), per call: the graph's launch floor shared by the calls.
 
     python benchmarks/bench_decode_attention.py [--tune] [--quick]
 """
@@ -24,6 +28,7 @@ from typing import Any
 import _timing  # first: puts the packages' src on sys.path
 import torch
 import torch.nn.functional as F
+from _kernel_time import amortized_graph_us, profiled_kernel_us
 from _paged_batch import hand_plan, page_kv, permuted_block_tables
 
 from npu_attention.providers.triton import TritonProvider
@@ -33,6 +38,8 @@ HEADS, KV_HEADS, HEAD_SIZE, DTYPE = 32, 8, 128, torch.bfloat16
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (512, 4096, 16384)
 BLOCK_SIZES = (128, 16)
+KERNEL_TIME_MAX_BATCH = 16  # kernel-only times for batches up to this (5 copies of the data)
+KERNEL_TIME_PEERS = ("default", "cudnn")
 
 
 class DecodeProblem:
@@ -242,6 +249,19 @@ def profile_kernels(device: torch.device) -> None:
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=6))
 
 
+def peer_kernel_times(copies: list[DecodeProblem]) -> dict[str, float | str]:
+    """Kernel-only times of the SDPA peers (``enable_gqa``) on ``copies`` of one problem."""
+    times: dict[str, float | str] = {}
+    for backend in KERNEL_TIME_PEERS:
+        runners = [_timing.peer_runner(backend, p.sdpa) for p in copies]
+        if any(r is None for r in runners):
+            times[f"{backend}_kernel_us"] = times[f"{backend}_amortized_us"] = "n/a"
+            continue
+        times[f"{backend}_kernel_us"] = profiled_kernel_us(runners[0])
+        times[f"{backend}_amortized_us"] = amortized_graph_us(runners)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="sweep launch parameters first")
@@ -283,6 +303,12 @@ def main() -> None:
             ms = problem.peer_ms(backend)
             peer_us[backend] = ms * 1e3 if ms is not None else None
         best_peer_us = min(us for us in peer_us.values() if us is not None)
+        copies = []
+        if batch <= KERNEL_TIME_MAX_BATCH:
+            copies = [problem] + [
+                DecodeProblem(batch, context, device, seed) for seed in (1, 2, 3, 4)
+            ]
+            peer_kernel = peer_kernel_times(copies)
         for block_size in BLOCK_SIZES:
             result = measure(problem, provider, block_size, expected)
             us = result["ms"] * 1e3
@@ -301,8 +327,13 @@ def main() -> None:
             row["triton_GB/s"] = gbps
             row["bw_vs_copy"] = gbps * 1e9 / copy_bw
             row["max_err"] = result["max_abs_err_vs_sdpa"]
+            if copies:
+                runners = [p.paged_runner(provider, block_size)[0] for p in copies]
+                row["triton_kernel_us"] = profiled_kernel_us(runners[0])
+                row["triton_amortized_us"] = amortized_graph_us(runners)
+                row.update(peer_kernel)
             rows.append(row)
-        del problem
+        del problem, copies
         torch.cuda.empty_cache()
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
     print(f"graph of one tiny kernel: {floor_ms * 1e3:.1f} us (floor under every time below)")

@@ -193,33 +193,44 @@ def compare_graph_with_eager(
     return {"max_abs_diff": difference, "rel_l2_diff": relative, "bitwise_equal": difference == 0}
 
 
-def plan_host_sweep(model: LlamaDecoder, steps: DecodeSteps, repeats: int = 200) -> list[dict]:
+def plan_host_sweep(
+    model: LlamaDecoder, steps: DecodeSteps, repeats: int = 200, rounds: int = 3
+) -> list[dict]:
     """Median host time of ``plan`` alone, the device idle, for decode batches of 1..256
     requests (inputs prepared beforehand: host lengths, device tables and slots), without
-    and with fixed buffers."""
+    and with fixed buffers. The sizes are measured in ``rounds`` rounds, in alternating
+    order (ascending, descending, ...), each a median of ``repeats`` calls after a warm-up:
+    ``plan_us`` is the median of the rounds' medians and ``plan_us_worst`` the slowest
+    round's (a round disturbed by something else on the host shows there)."""
     from npu_attention import PlanBuffers
 
     spec, device = model.spec, model.device
     max_batch = steps.block_tables.shape[0]
     buffers = PlanBuffers.allocate(max_batch, max_batch, steps.width, device=device)
+    sizes = [batch for batch in PLAN_BATCHES if batch <= max_batch]
+    samples: dict[tuple[int, str], list[float]] = {}
+    for round_index in range(rounds):
+        for batch in sizes if round_index % 2 == 0 else sizes[::-1]:
+            seq_lens = steps.seq_lens(batch, 0)
+            cu_seqlens_q = np.arange(batch + 1)
+            tables = steps.block_tables[:batch]
+            slots = torch.arange(batch, dtype=torch.int64, device=device)
+            for label, fixed in (("plan_us", None), ("plan_buffers_us", buffers)):
+                times = []
+                for _ in range(repeats + 20):  # the first 20: warm-up
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    plan(cu_seqlens_q, seq_lens, tables, slots, batch, spec,
+                         device=device, provider="triton", buffers=fixed)  # fmt: skip
+                    times.append(time.perf_counter() - t0)
+                samples.setdefault((batch, label), []).append(float(np.median(times[20:])) * 1e6)
     rows = []
-    for batch in PLAN_BATCHES:
-        if batch > max_batch:
-            continue
-        seq_lens = steps.seq_lens(batch, 0)
-        cu_seqlens_q = np.arange(batch + 1)
-        tables = steps.block_tables[:batch]
-        slots = torch.arange(batch, dtype=torch.int64, device=device)
+    for batch in sizes:
         row: dict[str, Any] = {"batch": batch}
-        for label, fixed in (("plan_us", None), ("plan_buffers_us", buffers)):
-            times = []
-            for _ in range(repeats + 20):  # the first 20: warm-up
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                plan(cu_seqlens_q, seq_lens, tables, slots, batch, spec,
-                     device=device, provider="triton", buffers=fixed)  # fmt: skip
-                times.append(time.perf_counter() - t0)
-            row[label] = float(np.median(times[20:])) * 1e6
+        for label in ("plan_us", "plan_buffers_us"):
+            medians = samples[(batch, label)]
+            row[label] = float(np.median(medians))
+            row[f"{label}_worst"] = max(medians)
         rows.append(row)
     return rows
 
