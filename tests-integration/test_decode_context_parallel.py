@@ -8,6 +8,13 @@ all-gathers the query, attends the rank's share with its LSE and merges across r
 without DCP, eager and with FULL_DECODE_ONLY host graphs (whose attention tasks get
 each rank's KV lengths before every replay). The three engines run one after the
 other in one process to start vLLM once (CI has two cores).
+
+The same for MLA (``attention/mla_context_parallel.py``): a tiny DeepSeek-V3-shaped
+checkpoint (4 heads, 2 per rank, one latent "KV head"), TP=2 with DCP=2 and with
+DCP=1. Under DCP every row is an absorbed decode of the group's gathered heads over
+the rank's latents; prompts are prefilled in chunks of 32 tokens, so prefill rows
+attend to context on both ranks. The eager MLA engines use ``custom_ops=["none"]``
+as in ``test_mla.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import random
 import pytest
 from checkpoints import hf_greedy, write_checkpoint
 from engines import run_engines
+from mla_checkpoints import write_mla_checkpoint
 
 # Prompts over several 64-token "virtual blocks" (32-token pages on each of 2 ranks);
 # the 130-token one is prefilled in chunks of 64 (prefills with context on each rank).
@@ -68,3 +76,50 @@ def test_dcp2_equals_transformers_and_dcp1(dcp_runs, name):
             assert counters["replayed_steps"] > 0 and counters["task_updates"] > 0, rank
     assert run["tokens"] == [hf]
     assert runs["dcp1-eager"]["tokens"] == [hf]
+
+
+MLA_ENGINE = dict(**TP2, block_size=16, max_num_batched_tokens=32)
+MLA_EAGER = dict(enforce_eager=True, compilation_config={"custom_ops": ["none"]})
+MLA_ENGINES = {
+    "mla-dcp2-eager": {**MLA_ENGINE, **MLA_EAGER, "decode_context_parallel_size": 2},
+    "mla-dcp2-full-decode-only": {
+        **MLA_ENGINE,
+        **FULL,
+        "decode_context_parallel_size": 2,
+        "cp_kv_cache_interleave_size": 16,
+    },
+    "mla-dcp1-eager": {**MLA_ENGINE, **MLA_EAGER},
+}
+
+
+@pytest.fixture(scope="module")
+def mla_dcp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mla-dcp")
+    model = write_mla_checkpoint(root / "deepseek-v3-tiny")
+    hf = hf_greedy(model, list(PROMPTS), list(MAX_TOKENS))
+    rounds = [[{"prompt": p, "max_tokens": m} for p, m in zip(PROMPTS, MAX_TOKENS)]]
+    runs = run_engines(
+        model,
+        rounds,
+        list(MLA_ENGINES.values()),
+        bridge=True,
+        tmp_path=root,
+        unset_env=("VLLM_CPU_OMP_THREADS_BIND",),
+    )
+    return hf, dict(zip(MLA_ENGINES, runs))
+
+
+@pytest.mark.parametrize("name", [n for n in MLA_ENGINES if "dcp2" in n])
+def test_mla_dcp2_equals_transformers_and_dcp1(mla_dcp_runs, name):
+    hf, runs = mla_dcp_runs
+    run = runs[name]
+    assert "error" not in run, run["error"]
+    assert run["platform"] == "HostPlatform"
+    assert len(run["rank_counters"]) == 2
+    if "full" in name:
+        for rank in run["rank_counters"]:
+            counters = rank["counters"]
+            assert counters["replayed_steps"] > 0, rank
+            assert counters["task_updates"] == counters["replayed_steps"], rank
+    assert run["tokens"] == [hf]
+    assert runs["mla-dcp1-eager"]["tokens"] == [hf]

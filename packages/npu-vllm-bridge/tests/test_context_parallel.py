@@ -266,6 +266,18 @@ def test_context_parallel_checks_accept_dcp_for_gqa_full_attention():
 
     check_context_parallel(_config())
     check_context_parallel(_config(dcp=2))
+    check_context_parallel(_config(dcp=2, use_mla=True))  # reference MLA returns the LSE
+
+
+def test_context_parallel_checks_refuse_mla_dcp_on_a_provider_without_lse(monkeypatch):
+    from vllm.platforms import current_platform
+
+    from npu_vllm_bridge.platforms.context_parallel_checks import check_context_parallel
+
+    monkeypatch.setattr(type(current_platform), "attention_provider", "ascend", raising=False)
+    with pytest.raises(ValueError, match=r"MLA models \(m\) only with an MLA provider that"):
+        check_context_parallel(_config(dcp=2, use_mla=True))
+    check_context_parallel(_config(dcp=2))  # GQA on ascend returns the LSE
 
 
 @pytest.mark.parametrize(
@@ -277,10 +289,6 @@ def test_context_parallel_checks_accept_dcp_for_gqa_full_attention():
             r"vLLM 0.32 runs it only in its V2 model runner",
         ),
         (dict(pcp=2, dcp=2), "prefill_context_parallel_size=2"),
-        (
-            dict(dcp=2, use_mla=True),
-            r"decode_context_parallel_size=2\) for GQA/MQA models only, got an MLA model",
-        ),
         (
             dict(dcp=2, speculative=SimpleNamespace(method="ngram")),
             r"with speculative decoding \(method='ngram'\)",

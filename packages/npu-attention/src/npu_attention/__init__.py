@@ -20,6 +20,7 @@ from npu_attention.providers.registry import (
     available_providers,
     get_provider,
     register_provider,
+    returns_lse,
     supported_head_sizes,
 )
 from npu_attention.run import run
@@ -49,6 +50,7 @@ __all__ = [
     "plan",
     "plan_context",
     "register_provider",
+    "returns_lse",
     "run",
     "supported_head_sizes",
 ]

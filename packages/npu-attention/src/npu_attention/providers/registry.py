@@ -82,6 +82,18 @@ def supported_head_sizes(
     return tuple(_provider_class(name).head_sizes)
 
 
+def returns_lse(name: str, family: str = "attention") -> bool:
+    """Whether the provider called ``name`` can return the log-sum-exp (``run(...,
+    lse=)``, ``mla_decode(..., lse=)``), which decode context parallelism merges by.
+
+    Like ``supported_head_sizes``, this needs only the provider's class.
+
+    Raises:
+        ValueError: unknown name or family.
+    """
+    return bool(_provider_class(name, family).returns_lse)
+
+
 def get_provider(
     name: str | None = None,
     device: torch.device | str | None = None,

@@ -145,12 +145,9 @@ def dcp_attention(
         group: vLLM's DCP ``GroupCoordinator`` (``world_size``, ``device_group``).
         layer_name, step_metadata: as ``run_attention`` (the task's step argument).
     """
-    tokens, heads, head_size = query.shape
+    tokens, heads, _ = query.shape
     size, device = group.world_size, query.device
-    gathered = torch.empty((size * tokens, heads, head_size), dtype=query.dtype, device=device)
-    all_gather_(gathered, query.contiguous(), group.device_group)
-    q_all = gathered.view(size, tokens, heads, head_size).transpose(0, 1)
-    q_all = q_all.reshape(tokens, size * heads, head_size)
+    q_all = gather_heads(query, group)
     context_out = torch.empty_like(q_all)
     context_lse = torch.full((tokens, size * heads), float("-inf"), device=device)
     new_out = torch.empty_like(query)
@@ -169,19 +166,56 @@ def dcp_attention(
         layer_name=layer_name,
         step_metadata=step_metadata,
     )
-    # Rank j gets the context output and LSE of its own heads from every rank, packed
-    # in one float32 tensor [rank, T, H, D + 1] (output, then LSE).
+    merge_rank_parts(context_out, context_lse, group, output[:tokens], (new_out, new_lse))
+    return output
+
+
+def gather_heads(query: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-gather the heads of the DCP group: ``[T, H, W]`` -> ``[T, size * H, W]``,
+    rank-major (vLLM's order)."""
+    tokens, heads, width = query.shape
+    size = group.world_size
+    gathered = query.new_empty((size * tokens, heads, width))
+    all_gather_(gathered, query.contiguous(), group.device_group)
+    return gathered.view(size, tokens, heads, width).transpose(0, 1).reshape(tokens, -1, width)
+
+
+def merge_rank_parts(
+    parts: torch.Tensor,
+    lses: torch.Tensor,
+    group: Any,
+    out: torch.Tensor,
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Merge the ranks' partial attention of this rank's heads into ``out``.
+
+    Every rank attended the gathered heads of the whole group over its own KV share.
+    An all-to-all hands rank ``j`` the outputs and LSEs of its heads from every rank,
+    packed in one float32 tensor ``[rank, T, H, D + 1]`` (output, then LSE), and
+    ``merge_attention_states`` weighs them (with ``local``, this rank's own
+    ``([T, H, D], [T, H])`` part, as one more).
+
+    Args:
+        parts: ``[T, size * H, D]``, rank-major heads; lses: float32 ``[T, size * H]``.
+        group: vLLM's DCP ``GroupCoordinator``.
+        out: ``[T, H, D]``, written.
+    """
+    tokens, heads_all, head_size = parts.shape
+    size = group.world_size
+    heads = heads_all // size
     packed = torch.cat(
         [
-            context_out.view(tokens, size, heads, head_size).float(),
-            context_lse.view(tokens, size, heads, 1),
+            parts.view(tokens, size, heads, head_size).float(),
+            lses.view(tokens, size, heads, 1),
         ],
         dim=-1,
     )
     send = packed.transpose(0, 1).contiguous()
     received = torch.empty_like(send)
     all_to_all_(received, send, group.device_group)
-    outputs = torch.cat([received[..., :head_size], new_out.float().unsqueeze(0)])
-    lses = torch.cat([received[..., head_size], new_lse.unsqueeze(0)])
-    merge_attention_states(outputs, lses, out=output[:tokens])
-    return output
+    outputs, part_lses = received[..., :head_size], received[..., head_size]
+    if local is not None:
+        outputs = torch.cat([outputs, local[0].float().unsqueeze(0)])
+        part_lses = torch.cat([part_lses, local[1].unsqueeze(0)])
+    merge_attention_states(outputs, part_lses, out=out)
+    return out

@@ -28,6 +28,8 @@ from npu_vllm_bridge.attention.builder import (
     cumulative,
     fill_padding_requests,
 )
+from npu_vllm_bridge.attention.context_parallel import dcp_layout_of
+from npu_vllm_bridge.attention.mla_context_parallel import plan_mla_dcp
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
@@ -35,10 +37,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class MLARows:
-    """Rows of one kind (decode or prefill) in a step; vLLM's layer only checks presence."""
+    """Rows of one kind (decode or prefill) in a step; vLLM's layer only checks presence
+    (and, under DCP, hands ``seq_lens`` to the DCP manager, whose bridge version
+    ignores it)."""
 
     num_reqs: int
     num_tokens: int
+    seq_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -59,6 +64,8 @@ class BridgeMLAMetadata:
         decode, prefill: present when the step has rows of that kind (vLLM's layer asserts
             ``decode is not None`` before ``forward_mqa``).
         for_capture: built for graph capture (dummy batch of the longest context).
+        query_start_loc: vLLM's device query offsets; under DCP vLLM's layer hands
+            them to the DCP manager, whose bridge version does not read them.
     """
 
     plan: AttentionPlan
@@ -70,6 +77,7 @@ class BridgeMLAMetadata:
     decode: MLARows | None
     prefill: MLARows | None
     for_capture: bool = False
+    query_start_loc: torch.Tensor | None = None
 
 
 class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
@@ -104,6 +112,7 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
         self.provider = attention_provider_name()
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len if model_config is not None else None
+        self.dcp = dcp_layout_of(vllm_config, getattr(kv_cache_spec, "dcp_sharded", True))
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
@@ -131,10 +140,15 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
         query_lens, seq_lens = host_lens(cm, exact=self.exact_seq_lens)
         num_real = pad_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
         if for_capture:
-            longest = block_tables.shape[1] * self.spec.block_size
+            # Under DCP a block-table entry covers block_size tokens of every rank.
+            longest = (
+                block_tables.shape[1] * self.spec.block_size * (self.dcp.size if self.dcp else 1)
+            )
             if self.max_model_len is not None:
                 longest = min(longest, self.max_model_len)
             seq_lens = [max(longest, q) if q else 0 for q in query_lens]
+        if self.dcp is not None:
+            return self._build_dcp(cm, query_lens[:num_real], seq_lens[:num_real], for_capture)
         num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
         if num_decodes == num_real:
             num_decodes = len(query_lens)  # graph padding joins a decode-only step
@@ -163,6 +177,39 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
                 else None
             ),
             for_capture=for_capture,
+        )
+
+    def _build_dcp(
+        self,
+        cm: CommonAttentionMetadata,
+        query_lens: list[int],
+        seq_lens: list[int],
+        for_capture: bool,
+    ) -> BridgeMLAMetadata:
+        """Under DCP every row is a one-token absorbed decode (``plan_mla_dcp``)."""
+        tokens = cm.num_actual_tokens
+        plan = plan_mla_dcp(
+            query_lens,
+            seq_lens,
+            cm.block_table_tensor[: len(query_lens)],
+            cm.slot_mapping[:tokens],
+            tokens,
+            self.spec,
+            self.dcp,
+            device=self.device,
+            provider=self.provider,
+        )
+        return BridgeMLAMetadata(
+            plan=plan,
+            num_actual_tokens=tokens,
+            num_reqs=tokens,
+            num_decodes=tokens,
+            num_decode_tokens=tokens,
+            num_prefills=0,
+            decode=MLARows(tokens, tokens),
+            prefill=None,
+            for_capture=for_capture,
+            query_start_loc=cm.query_start_loc,
         )
 
 

@@ -11,6 +11,10 @@ latents (``do_kv_cache_update``) and attends:
   up-projection of cached latents (context and new tokens alike), so prefix-cache
   hits and chunked prefills need no context workspace.
 
+Under decode context parallelism every row goes to ``forward_mqa``: the queries of
+the whole DCP group's heads attend over this rank's latents, and the output comes
+back with its log-sum-exp for vLLM's layer to combine (``mla_context_parallel.py``).
+
 Each call is an npu-graphs updatable task (``graphs/mla_tasks.py``) whose step
 argument is the step's per-layer metadata.
 """
@@ -36,7 +40,10 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
     cap, ALiBi, encoder attention, sparse MLA) are refused when vLLM builds the layer.
     """
 
-    can_return_lse_for_decode: bool = False
+    # vLLM's DCP flags (AttentionImplBase): forward_mqa returns the LSE, so vLLM may
+    # shard the latent cache over its DCP group (mla_context_parallel.py).
+    can_return_lse_for_decode: bool = True
+    supports_dcp: bool = True
 
     def __init__(
         self,
@@ -116,13 +123,19 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Absorbed attention of the decode rows: ``(q @ W_UK, q_pe)`` ->
-        ``[B, N, kv_lora_rank]`` (rows of graph padding stay zero)."""
+        ``[B, N, kv_lora_rank]`` (rows of graph padding stay zero). Under DCP the
+        query holds the group's ``size * N`` heads and the output comes with its
+        float32 ``[B, size * N]`` LSE over this rank's latents."""
         if isinstance(q, tuple):
             q_latent, q_rope = q
         else:
             q_latent, q_rope = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         plan = attn_metadata.plan
-        out = q_latent.new_zeros(q_latent.shape[0], self.num_heads, self.kv_lora_rank)
+        rows, heads = q_latent.shape[0], plan.spec.num_heads
+        out = q_latent.new_zeros(rows, heads, self.kv_lora_rank)
+        lse = None
+        if self.dcp_world_size > 1:
+            lse = torch.full((rows, heads), float("-inf"), device=q_latent.device)
         layer_name = self.layer_name(getattr(layer, "layer_name", None))
         run_mla_decode(
             q_latent,
@@ -130,10 +143,11 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
             self.latent_cache(kv_c_and_k_pe_cache, plan.spec),
             plan,
             out,
+            lse=lse,
             layer_name=layer_name,
             step_metadata=step_metadata_for(layer_name, attn_metadata),
         )
-        return out, None
+        return out, lse
 
     def forward_mha(  # type: ignore[override]
         self,

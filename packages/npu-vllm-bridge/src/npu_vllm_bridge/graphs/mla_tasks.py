@@ -61,15 +61,22 @@ def run_mla_decode(
     plan: AttentionPlan,
     out: torch.Tensor,
     *,
+    lse: torch.Tensor | None = None,
     layer_name: str,
     step_metadata: Mapping[str, Any] | None = None,
 ) -> None:
-    """``mla_decode`` (absorbed, decodes and speculative decodes) of one layer, as an
-    updatable task."""
-    call_task(
-        _decode_task, q_latent, q_rope, cache, out, step=_step(plan, layer_name, step_metadata),
-        derive=LayerPlan(layer_name),
-    )  # fmt: skip
+    """``mla_decode`` (absorbed, decodes and speculative decodes; with ``lse``, the
+    rows' log-sum-exp too) of one layer, as an updatable task."""
+    step = _step(plan, layer_name, step_metadata)
+    if lse is None:
+        call_task(
+            _decode_task, q_latent, q_rope, cache, out, step=step, derive=LayerPlan(layer_name)
+        )
+    else:
+        call_task(
+            _decode_lse_task, q_latent, q_rope, cache, out, lse, step=step,
+            derive=LayerPlan(layer_name),
+        )  # fmt: skip
 
 
 def run_mla_prefill(
@@ -95,6 +102,10 @@ def _write_task(kv_c, k_pe, cache, *, plan: AttentionPlan) -> None:
 
 def _decode_task(q_latent, q_rope, cache, out, *, plan: AttentionPlan) -> None:
     mla_decode(q_latent, q_rope, cache, plan, out)
+
+
+def _decode_lse_task(q_latent, q_rope, cache, out, lse, *, plan: AttentionPlan) -> None:
+    mla_decode(q_latent, q_rope, cache, plan, out, lse=lse)
 
 
 def _prefill_task(query, cache, kv_up_proj, out, *, plan: AttentionPlan) -> None:

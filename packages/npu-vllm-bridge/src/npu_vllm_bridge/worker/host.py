@@ -10,6 +10,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from npu_vllm_bridge.attention.mla_context_parallel import install_mla_dcp
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 from npu_vllm_bridge.worker.host_collectives import record_all_reduce_whole
 
@@ -31,7 +32,8 @@ class HostModelRunner(GraphRunnerMixin, CPUModelRunner):
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
             record_cpu_gemms_whole()
-        return super().load_model(*args, **kwargs)
+        super().load_model(*args, **kwargs)
+        install_mla_dcp(self.vllm_config)
 
 
 def record_cpu_gemms_whole() -> None:

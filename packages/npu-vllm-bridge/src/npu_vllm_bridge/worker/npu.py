@@ -7,6 +7,7 @@ API; it has not run on NPU hardware.
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import torch
 from vllm.platforms import current_platform
@@ -16,6 +17,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
+from npu_vllm_bridge.attention.mla_context_parallel import install_mla_dcp
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 
 # torch.cuda names vLLM's GPU runner and worker call, and their torch.npu twins.
@@ -52,6 +54,10 @@ def route_cuda_to_npu() -> None:
 class NPUModelRunner(GraphRunnerMixin, GPUModelRunner):
     """vLLM's ``GPUModelRunner`` with npu-graphs capture; graph memory is profiled
     by the bridge's method where vLLM profiles CUDA graphs (before the KV cache)."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        install_mla_dcp(self.vllm_config)
 
     def profile_cudagraph_memory(self) -> int:
         return self.profile_graph_memory()
