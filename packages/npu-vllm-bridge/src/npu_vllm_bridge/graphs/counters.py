@@ -24,6 +24,12 @@ class GraphCounters:
             what each graph keeps plus the pool their replays share).
         estimated_bytes: the graph memory estimated before the KV cache was sized.
         capture_seconds: wall time of the start-up capture.
+        draft_captured: FULL graphs of the drafter's own forwards captured (also in
+            ``captured``).
+        draft_replayed_steps: drafter forwards served by replaying its FULL graphs.
+        draft_task_updates: drafter FULL replays preceded by an update of the
+            drafter's own task registry.
+        draft_other_forwards: drafter forwards that ran PIECEWISE or eagerly.
     """
 
     captured: int = 0
@@ -35,6 +41,10 @@ class GraphCounters:
     capture_bytes: int = 0
     estimated_bytes: int = 0
     capture_seconds: float = 0.0
+    draft_captured: int = 0
+    draft_replayed_steps: int = 0
+    draft_task_updates: int = 0
+    draft_other_forwards: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

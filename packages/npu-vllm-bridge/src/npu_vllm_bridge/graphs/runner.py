@@ -21,6 +21,7 @@ from vllm.model_executor.layers.attention import Attention
 
 from npu_graphs import GraphBackend, capture_all, get_backend
 from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.draft_graphs import DraftGraphs, install_draft_graphs
 from npu_vllm_bridge.graphs.mla_tasks import count_own_mla_tasks
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name
 
@@ -36,6 +37,8 @@ class GraphRunnerMixin:
     cudagraph_dispatcher: Any
     model: Any
 
+    draft_graphs: DraftGraphs | None = None
+
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
@@ -46,6 +49,14 @@ class GraphRunnerMixin:
                 num_attention_layers=count_own_attention_layers(self.vllm_config, self.model)
                 + count_own_mla_tasks(self.vllm_config, self.model),
             )
+            # The drafter's own forwards (EAGLE heads, draft models, MTP): FULL
+            # graphs in a wrapper and task registry of their own.
+            self.draft_graphs = install_draft_graphs(self, self.model)
+
+    def get_draft_model(self) -> Any:
+        """The drafter's model itself (vLLM unwraps only its own wrapper classes)."""
+        model = super().get_draft_model()  # type: ignore[misc]
+        return model.unwrap() if isinstance(model, BridgeGraphWrapper) else model
 
     def capture_model(self) -> int:
         """Capture every (mode, batch descriptor) vLLM's dispatcher will replay,
@@ -55,6 +66,7 @@ class GraphRunnerMixin:
             return 0
         backend = get_backend(graph_backend_name())
         held = seconds = 0.0
+        num_graphs = sum(len(descs) for _, descs in groups)
         set_cudagraph_capturing_enabled(True)
         try:
             with torch.inference_mode():
@@ -62,13 +74,19 @@ class GraphRunnerMixin:
                     report = self._capture_group(backend, runtime_mode, descs)
                     held += report.memory_bytes
                     seconds += report.seconds
+                if self.draft_graphs is not None:
+                    report = self.draft_graphs.capture(backend, groups)
+                    if report is not None:
+                        held += report.memory_bytes
+                        seconds += report.seconds
+                        num_graphs += len(report.keys)
         finally:
             set_cudagraph_capturing_enabled(False)
         own, pool = backend.memory_breakdown()
         logger.info(
             "Captured %d %s graphs (%s) in %.1f s: they hold %.2f MiB (%.2f MiB of their own, "
             "%.2f MiB of shared pool)",
-            sum(len(descs) for _, descs in groups),
+            num_graphs,
             backend.name,
             self.compilation_config.cudagraph_mode.name,
             seconds,
@@ -115,8 +133,11 @@ class GraphRunnerMixin:
         set_cudagraph_capturing_enabled(True)
         try:
             with torch.inference_mode():
-                for runtime_mode, descs in self.cudagraph_dispatcher.get_capture_descs():
+                groups = self.cudagraph_dispatcher.get_capture_descs()
+                for runtime_mode, descs in groups:
                     own_total += self._estimate_group(backend, runtime_mode, descs)
+                if self.draft_graphs is not None:
+                    own_total += self.draft_graphs.estimate(backend, groups)
             _, pool_after = backend.memory_breakdown()
         finally:
             set_cudagraph_capturing_enabled(False)
@@ -126,7 +147,10 @@ class GraphRunnerMixin:
                 key_set.clear()
             self.cudagraph_dispatcher.keys_initialized = False
             self._cleanup_profiling_kv_cache()  # type: ignore[attr-defined]
-            graph_counters().captured = 0
+            counters = graph_counters()
+            counters.captured = counters.draft_captured = 0
+            if self.draft_graphs is not None:
+                self.draft_graphs.wrapper.captured = 0
             compilation_counter.num_cudagraph_captured = saved_captures
         total = own_total + max(pool_after - pool_before, 0)
         graph_counters().estimated_bytes = total
