@@ -8,7 +8,8 @@ for several engines saves the start-up of Python, torch and vLLM per configurati
     python spec_runner.py SPEC.json
 
 SPEC: {"model": path, "prompts": [[ids], ...], "max_tokens": [n per prompt], "engines": {name:
-{LLM kwargs}}}. Output: one line per engine, ``RESULT {"name": ..., "tokens": [[...]],
+{LLM kwargs}}}; an engine's ``"skip_draft_updates": true`` (not an LLM kwarg) makes the
+drafter's FULL replays skip their task update. Output: one line per engine, ``RESULT {"name": ..., "tokens": [[...]],
 "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
 "accepted_per_position"}, "counters": {...}, "states": {...}}``, or with
 ``"error"`` when the engine refuses to start.
@@ -71,14 +72,27 @@ def _record_plan_states(states: Counter) -> None:
 
 
 def run_one(name: str, spec: dict, engine: dict, states: Counter) -> dict:
-    from vllm import LLM, SamplingParams
-
-    from npu_vllm_bridge.graphs.counters import graph_counters, reset_graph_counters
+    from npu_vllm_bridge.graphs.counters import reset_graph_counters
     from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper
 
     reset_graph_counters()
     states.clear()
     BridgeGraphWrapper._all_instances.clear()  # the previous engine's wrappers
+    engine = dict(engine)
+    skipped: list[int] = []
+    restore = _skip_draft_updates(skipped) if engine.pop("skip_draft_updates", False) else None
+    try:
+        return _run_engine(name, spec, engine, states, skipped)
+    finally:
+        if restore is not None:
+            restore()
+
+
+def _run_engine(name: str, spec: dict, engine: dict, states: Counter, skipped: list) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from npu_vllm_bridge.graphs.counters import graph_counters
+
     try:
         llm = LLM(model=spec["model"], skip_tokenizer_init=True, disable_log_stats=False, **engine)
     except Exception as exc:  # a refusal under test
@@ -95,10 +109,29 @@ def run_one(name: str, spec: dict, engine: dict, states: Counter) -> dict:
         "spec": _difference(spec_decode_stats(llm), before),
         "counters": graph_counters().as_dict(),
         "states": dict(states),
+        "skipped_draft_updates": len(skipped),
     }
     del llm, outputs
     gc.collect()
     return result
+
+
+def _skip_draft_updates(skipped: list[int]):
+    """A runner that forgets the drafter's task update: the draft wrapper replays
+    without re-issuing its tasks (stale-update control; ``skipped`` counts them).
+    Returns the function that puts the update back."""
+    from npu_vllm_bridge.graphs.draft_graphs import DraftGraphWrapper
+
+    update = DraftGraphWrapper._update_tasks
+
+    def skip(self, key, attn_metadata) -> None:
+        skipped.append(1)
+
+    def restore() -> None:
+        DraftGraphWrapper._update_tasks = update
+
+    DraftGraphWrapper._update_tasks = skip
+    return restore
 
 
 def _register_triton_overrides_once() -> None:

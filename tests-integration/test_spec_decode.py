@@ -6,9 +6,13 @@ proposes, so a random-weight EAGLE head changes the acceptance rate, not the out
 Each drafter (ngram; an EAGLE head for the tiny Llama; MTP on a tiny DeepSeek-V3 with
 one MTP layer, whose attention is MLA) runs eager, with FULL_DECODE_ONLY host graphs
 (verify steps of ``1 + k`` tokens per request replay FULL graphs after a task update;
-mixed steps run eagerly) and with FULL_AND_PIECEWISE (mixed steps replay the pieces;
-the drafter's pieces too). Random drafters accept nothing; the target as its own
-``draft_model`` (FULL_DECODE_ONLY) accepts every draft token.
+mixed steps run eagerly) and with FULL_AND_PIECEWISE (mixed steps replay the pieces).
+In both FULL modes the drafter's own uniform passes replay FULL graphs of its own
+after an update of its own task registry: its draft steps of one token per request
+and, for EAGLE and MTP, its first pass of ``1 + k`` tokens per request; its other
+passes run as vLLM dispatches them (PIECEWISE or eager). Random drafters accept
+nothing; the target as its own ``draft_model`` (FULL_DECODE_ONLY) accepts every draft
+token, and fewer when its draft replays skip their task update (stale-update control).
 
 Three prompts hold each token of the vocabulary once (3..511, shuffled), so that the
 ngram drafter always finds their last token in the prompt and proposes ``k`` tokens:
@@ -38,6 +42,9 @@ RUNNER = Path(__file__).with_name("spec_runner.py")
 K = 2  # speculative tokens per verify step: uniform_decode_query_len = 3
 MAX_TOKENS = [12, 9, 6, 4]
 CAPTURE_SIZES = [3, 6, 12]  # up to 4 requests of 3 tokens; 3 requests pad to 4
+# The drafter's FULL graphs: per request count of the target's (1, 2, 4), draft steps of
+# one token per request and (EAGLE, MTP) first passes of 1 + k.
+DRAFT_GRAPHS = {"eagle": 6, "draft_model": 3, "mtp": 3}
 ENGINE = dict(
     dtype="float32",
     block_size=32,
@@ -124,6 +131,11 @@ def spec_results(checkpoints, tmp_path_factory) -> dict[str, dict]:
             "num_speculative_tokens": K,
         },
     }
+    # The same, with the drafter's task updates skipped before its FULL replays.
+    engines["self-draft-stale"] = {
+        **engines["self-draft-FULL_DECODE_ONLY"],
+        "skip_draft_updates": True,
+    }
     return run_engines(target, _prompts(), MAX_TOKENS, engines, root / "spec.json")
 
 
@@ -177,15 +189,31 @@ def test_speculation_keeps_greedy_tokens(spec_results, method, mode):
     assert result["states"].get("SPEC_DECODING", 0) > 0, result["states"]
     if mode == "eager":
         assert counters["captured"] == 0 and counters["replayed_steps"] == 0, counters
+        assert counters["draft_captured"] == 0, counters
         return
     # Verify steps replayed FULL graphs after a task update of every step.
     assert counters["replayed_steps"] > 0, counters
     assert counters["task_updates"] == counters["replayed_steps"], counters
-    if mode == "FULL_AND_PIECEWISE":
-        # Mixed target steps (ngram) or the EAGLE head's forwards replay pieces.
-        assert counters["replayed_pieces"] > 0, counters
+    if method == "ngram":
+        assert counters["draft_captured"] == 0, counters  # no draft model
     else:
+        _assert_draft_graphs_replayed(counters, DRAFT_GRAPHS[method])
+    if mode == "FULL_AND_PIECEWISE" and method == "ngram":
+        # Mixed target steps replay pieces. (The EAGLE head's passes that fit the
+        # pieces are uniform: they replay its FULL graphs.)
+        assert counters["replayed_pieces"] > 0, counters
+    elif mode == "FULL_DECODE_ONLY":
         assert counters["eager_steps"] > 0 and counters["piecewise_steps"] == 0, counters
+
+
+def _assert_draft_graphs_replayed(counters: dict, expected_graphs: int) -> None:
+    """The drafter's own FULL graphs: each captured key, replays each after an update
+    of the drafter's registry, and passes vLLM dispatched itself (after prefills)."""
+    assert counters["draft_captured"] == expected_graphs, counters
+    assert counters["captured"] >= expected_graphs, counters
+    assert counters["draft_replayed_steps"] > 0, counters
+    assert counters["draft_task_updates"] == counters["draft_replayed_steps"], counters
+    assert counters["draft_other_forwards"] > 0, counters
 
 
 def test_too_many_speculative_tokens_are_refused_at_startup(spec_results):
@@ -217,6 +245,26 @@ def test_self_draft_accepts_every_token(spec_results):
     assert stats["num_accepted_tokens"] == stats["num_draft_tokens"], stats
     assert counters["replayed_steps"] > 0, counters
     assert counters["task_updates"] == counters["replayed_steps"], counters
+    # Its draft steps (the second draft token) replayed the drafter's own FULL graphs.
+    _assert_draft_graphs_replayed(counters, DRAFT_GRAPHS["draft_model"])
+
+
+def test_skipped_draft_update_is_caught(spec_results):
+    """The self-draft whose draft replays skip their task update: the drafter's FULL
+    graphs run the captured step's plan, so the second draft token of each proposal
+    (from a draft-step replay) is wrong and is rejected; the first (its eager first
+    pass) is still accepted every time. Greedy tokens stay the target's."""
+    reference, result = spec_results["reference"], spec_results["self-draft-stale"]
+    assert "error" not in result, result["error"]
+    _print_stats("draft_model (the target itself), draft updates skipped", result)
+    assert result["tokens"] == reference["tokens"]
+    stats, counters = result["spec"], result["counters"]
+    assert counters["draft_replayed_steps"] > 0, counters
+    assert counters["draft_task_updates"] == 0, counters
+    assert result["skipped_draft_updates"] == counters["draft_replayed_steps"], result
+    first, second = stats["accepted_per_position"]
+    assert first == stats["num_drafts"], stats  # the eager first pass: all accepted
+    assert second < first, stats  # the stale replays' drafts: rejected
 
 
 # -- MTP: a DeepSeek-V3-shaped (MLA) target with one next-token-prediction layer --------
@@ -293,9 +341,10 @@ def test_mtp_keeps_greedy_tokens(mtp_results, mode):
     assert result["states"].get("SPEC_DECODING", 0) > 0, result["states"]
     if mode == "eager":
         assert counters["captured"] == 0 and counters["replayed_steps"] == 0, counters
+        assert counters["draft_captured"] == 0, counters
         return
     # Verify steps of the MLA target replayed FULL graphs after a task update each.
     assert counters["replayed_steps"] > 0, counters
     assert counters["task_updates"] == counters["replayed_steps"], counters
-    if mode == "FULL_AND_PIECEWISE":
-        assert counters["replayed_pieces"] > 0, counters
+    # The MTP layer's first passes (2 tokens per request, MLA) replayed its own graphs.
+    _assert_draft_graphs_replayed(counters, DRAFT_GRAPHS["mtp"])
