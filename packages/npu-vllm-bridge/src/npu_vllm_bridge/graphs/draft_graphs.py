@@ -300,6 +300,18 @@ class DraftGraphs:
         """Capture every draft key, largest first; sets the keys the dispatch uses."""
         descs = self.descriptors(main_descs)
         self.dispatch.descs = descs
+        # The drafter's builders (and whatever step buffers they keep) are its own.
+        main_builders = {
+            id(builder)
+            for groups in getattr(self.runner, "attn_groups", [])
+            for group in groups
+            for builder in group.metadata_builders
+        }
+        assert not any(
+            id(builder) in main_builders
+            for group in self.drafter.draft_attn_groups
+            for builder in group.metadata_builders
+        ), "the drafter shares a metadata builder with the target"
         if not descs:
             logger.info("No FULL drafter graphs to capture (no FULL uniform target graphs)")
             return None
