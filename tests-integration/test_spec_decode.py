@@ -45,6 +45,8 @@ CAPTURE_SIZES = [3, 6, 12]  # up to 4 requests of 3 tokens; 3 requests pad to 4
 # The drafter's FULL graphs: per request count of the target's (1, 2, 4), draft steps of
 # one token per request and (EAGLE, MTP) first passes of 1 + k.
 DRAFT_GRAPHS = {"eagle": 6, "draft_model": 3, "mtp": 3}
+SELF_DRAFT_K = 3  # two draft steps per proposal
+SELF_DRAFT_CAPTURE_SIZES = [4, 8, 16]  # up to 4 requests of 1 + 3 tokens
 ENGINE = dict(
     dtype="float32",
     block_size=32,
@@ -121,19 +123,23 @@ def spec_results(checkpoints, tmp_path_factory) -> dict[str, dict]:
                 "speculative_config": _speculative_config(method, draft),
             }
     # The target as its own draft model: every draft token is accepted, so verify steps
-    # replay with accepted tokens (and the KV cache grows by 1 + k per step).
+    # replay with accepted tokens (and the KV cache grows by 1 + k per step). With
+    # k = 3 each proposal replays the drafter's step graph twice, one longer each time.
+    self_draft = {"method": "draft_model", "model": str(target)}
     engines["self-draft-FULL_DECODE_ONLY"] = {
         **ENGINE,
-        **MODES["FULL_DECODE_ONLY"],
-        "speculative_config": {
-            "method": "draft_model",
-            "model": str(target),
-            "num_speculative_tokens": K,
+        "enforce_eager": False,
+        "compilation_config": {
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": SELF_DRAFT_CAPTURE_SIZES,
         },
+        "speculative_config": {**self_draft, "num_speculative_tokens": SELF_DRAFT_K},
     }
-    # The same, with the drafter's task updates skipped before its FULL replays.
+    # k = 2, with the drafter's task updates skipped before its FULL replays.
     engines["self-draft-stale"] = {
-        **engines["self-draft-FULL_DECODE_ONLY"],
+        **ENGINE,
+        **MODES["FULL_DECODE_ONLY"],
+        "speculative_config": {**self_draft, "num_speculative_tokens": K},
         "skip_draft_updates": True,
     }
     return run_engines(target, _prompts(), MAX_TOKENS, engines, root / "spec.json")
@@ -234,15 +240,18 @@ def _print_stats(name: str, result: dict) -> None:
 
 
 def test_self_draft_accepts_every_token(spec_results):
-    """The target as its own draft model (FULL_DECODE_ONLY): the same greedy tokens,
-    and every draft token accepted, so verify graphs replay after accepted tokens."""
+    """The target as its own draft model (FULL_DECODE_ONLY, k = 3): the same greedy
+    tokens, and every draft token accepted, so verify graphs replay after accepted
+    tokens, and the drafter's step graph, replayed twice per proposal with KV lengths
+    one longer each time, drafts the second and third tokens right."""
     reference, result = spec_results["reference"], spec_results["self-draft-FULL_DECODE_ONLY"]
     assert "error" not in result, result["error"]
-    _print_stats("draft_model (the target itself) FULL_DECODE_ONLY", result)
+    _print_stats("draft_model (the target itself, k = 3) FULL_DECODE_ONLY", result)
     assert result["tokens"] == reference["tokens"]
     stats, counters = result["spec"], result["counters"]
-    assert stats["num_draft_tokens"] > 0, stats
+    assert stats["num_draft_tokens"] == SELF_DRAFT_K * stats["num_drafts"] > 0, stats
     assert stats["num_accepted_tokens"] == stats["num_draft_tokens"], stats
+    assert stats["accepted_per_position"] == [stats["num_drafts"]] * SELF_DRAFT_K, stats
     assert counters["replayed_steps"] > 0, counters
     assert counters["task_updates"] == counters["replayed_steps"], counters
     # Its draft steps (the second draft token) replayed the drafter's own FULL graphs.
