@@ -87,13 +87,21 @@ def check_source(source: str, api: TorchNpuApi, atb_ops: frozenset[str]) -> list
 
     Operators are bound against their schemas, ``torch.npu`` functions and class
     constructors against torch_npu's Python signatures. ATB operators (registered
-    from a shared library, no schema in the wheel's yaml) are checked by name only.
+    from a shared library, no schema in the wheel's yaml) are bound against their
+    header declarations and registered schemas (one of the overloads must take the
+    call), or checked by name where the header does not declare them.
     Method calls on returned objects cannot be resolved statically and are skipped.
     """
     problems = []
     for site in find_call_sites(source):
         if site.root == "torch_npu" and site.name.startswith("npu."):
             site = CallSite("torch.npu", site.name[len("npu.") :], site.node, site.line)
+        overloads = api.atb_overloads.get(site.name) if site.root == "torch_npu" else None
+        if overloads:
+            problem = _bind_atb(overloads, site.node)
+            if problem:
+                problems.append(f"line {site.line}: torch_npu.{site.name}: {problem}")
+            continue
         signature, problem = _resolve(site, api, atb_ops)
         if problem:
             problems.append(f"line {site.line}: {problem}")
@@ -127,6 +135,18 @@ def _resolve(site: CallSite, api: TorchNpuApi, atb_ops: frozenset[str]):
     if methods is not None and rest not in methods:
         return None, f"torch.npu.{head} has no attribute {rest!r}"
     return None, None  # a static method call or attribute chain: existence checked only
+
+
+def _bind_atb(overloads, call: ast.Call) -> str | None:
+    """None if one overload takes the call (its declaration and registered schema)."""
+    errors = []
+    for overload in overloads:
+        schemas = [overload.declared, overload.registered]
+        found = [_bind(s.signature, call) for s in schemas if s is not None]
+        if not any(found):
+            return None
+        errors.append(f"{overload.name}: {'; '.join(e for e in found if e)}")
+    return "no overload takes this call: " + " | ".join(errors)
 
 
 def _bind(signature: inspect.Signature, call: ast.Call) -> str | None:

@@ -10,9 +10,10 @@ tensors:
   torch_npu ops issued on the capture stream instead of running them (out-form
   and in-place ops only: a captured op's result is not available at capture);
   ``replay`` runs the recorded ops, with the host arguments they were captured
-  or last updated with. Workspace sizing (``*_get_max_workspace``) is host work
-  and runs at once. Capturing on the default stream, work issued on another
-  stream during a capture, and a device synchronize during a capture fail.
+  or last updated with. Workspace sizing (``*_get_max_workspace``,
+  ``*_get_workspace``) is host work and runs at once. Capturing on the default
+  stream, work issued on another stream during a capture, and a device synchronize
+  during a capture fail.
 - Task groups: ``graph_task_group_begin/end(stream)`` bracket ops on the capture
   stream and return a handle. ``graph_task_update_begin(stream, handle)`` ...
   ``graph_task_update_end(stream)`` must run on a stream other than the capture
@@ -107,7 +108,7 @@ class NpuRuntime(Launcher):
 
     # -- ops from the torch_npu stand-in --------------------------------------------
     def launch(self, name: str, implementation: Callable[[dict], Any], arguments: dict) -> Any:
-        if name.endswith("_get_max_workspace"):
+        if name.endswith("_get_max_workspace") or "_get_workspace" in name:
             return implementation(arguments)  # host-side sizing, not a device task
         op = _Op(name, implementation, arguments)
         if self.update is not None:

@@ -25,6 +25,16 @@ reference implementation of what the documentation says the op computes:
 - ``npu_scatter_pa_kv_cache`` with ``cache_mode="Norm"`` (ND caches
   ``[num_blocks, block_size, N, D]``); slots must lie in ``[0, num_blocks * block_size)``.
 - ``npu_fusion_attention`` in ``TND`` with cumulative ``actual_seq_qlen/kvlen``.
+- ``torch_npu.atb.npu_multi_head_latent_attention`` (ATB's MultiLatentAttention; each
+  call bound to the overload it selects, checked against both the header declaration
+  and the registered schema) and ``_npu_multi_head_latent_attention_get_workspace`` in
+  the paged decode use with ``return_lse=True, calc_type="calc_type_ring"``
+  (``cache_mode`` ``krope_ctkv``, no mask): query N 8/16/32/64/128, KV N 1, D 512 +
+  rope 64, ``0 < qk_scale <= 1``, block size <= 128, batch <= 8192, one query token per
+  request, ``output`` like ``q_nope``, ``lse`` ``[T, N, 1]`` in the query dtype (the
+  dtype op-plugin allocates it in; the ATB documentation lists float16/bf16). The
+  LSE is natural-log, rounded to that dtype. A request of context length 0 gets NaN
+  rows in ``output`` and ``lse``: the documentation does not say what it writes.
 
 Any other operator, or a documented mode the reference does not model, raises
 ``NotModeled`` after the schema check. Nothing in the packages imports this module.
@@ -80,7 +90,9 @@ class CallLog:
     calls: list[Call] = field(default_factory=list)
 
     def names(self) -> set[str]:
-        return {call.name for call in self.calls}
+        """Names of the calls; an ATB overload ``atb.f.lse_out`` also counts as ``atb.f``."""
+        names = {call.name for call in self.calls}
+        return names | {name.rsplit(".", 1)[0] for name in names if name.count(".") > 1}
 
     def of(self, name: str) -> list[Call]:
         return [call for call in self.calls if call.name == name]
@@ -134,10 +146,53 @@ class StandInTorchNpu(types.ModuleType):
                 out = CheckedOp(out_schema, self, IMPLEMENTATIONS.get(out_schema.name))
             setattr(self, name, CheckedOp(schema, self, IMPLEMENTATIONS.get(name), out))
 
+        self.atb = StandInAtb(api, self)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         raise SchemaViolation(f"torch_npu {self.__version__} has no operator {name!r}")
+
+
+class AtbOp:
+    """An ATB operator (``torch.ops.atb`` packet): the call goes to the first overload
+    it binds to (declaration and registered schema), as torch's overload resolution."""
+
+    def __init__(self, public: str, overloads: tuple, module: StandInTorchNpu) -> None:
+        self.public, self.overloads, self._module = public, overloads, module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        errors = []
+        for overload in self.overloads:
+            try:
+                arguments = overload.bind(args, kwargs)
+            except SchemaViolation as error:
+                errors.append(str(error))
+                continue
+            self._module.log.calls.append(Call(overload.name, arguments))
+            implementation = IMPLEMENTATIONS.get(overload.name)
+            if implementation is None:
+                raise NotModeled(f"the stand-in does not compute torch_npu.{overload.name}")
+            return self._module.launcher.launch(overload.name, implementation, arguments)
+        raise SchemaViolation(
+            f"torch_npu.{self.public}: no overload takes this call: " + "; ".join(errors)
+        )
+
+
+class StandInAtb(types.ModuleType):
+    """``torch_npu.atb``: the ATB operators the wheel's ``_atb_ops.py`` lists there."""
+
+    def __init__(self, api: TorchNpuApi, module: StandInTorchNpu) -> None:
+        super().__init__("torch_npu.atb")
+        self._version = api.version
+        for public, overloads in api.atb_overloads.items():
+            if public.startswith("atb."):
+                setattr(self, public[len("atb.") :], AtbOp(public, overloads, module))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise SchemaViolation(f"torch_npu {self._version} has no ATB operator atb.{name}")
 
 
 # ---------------------------------------------------------------- fused infer attention
@@ -557,6 +612,126 @@ def _fia_v2_workspace(a: dict[str, Any]) -> torch.Tensor:
     return torch.empty(1, dtype=torch.uint8)
 
 
+# ---------------------------------------------------------------- ATB MultiLatentAttention
+
+ATB_MLA_HEADS = (8, 16, 32, 64, 128)  # headNum
+ATB_MLA_MAX_BLOCK_SIZE = 128
+ATB_MLA_MAX_BATCH = 8192
+ATB_MLA_CACHE_MODES = (None, "krope_ctkv")  # op-plugin's default; int8/NZ caches not modeled
+
+
+def _atb_mla_check(a: dict[str, Any]) -> None:
+    """The documented constraints of the paged decode with LSE (see the module doc)."""
+    _expect(
+        a["return_lse"] is True and a["calc_type"] == "calc_type_ring",
+        "the LSE of npu_multi_head_latent_attention needs return_lse=True with "
+        f"calc_type='calc_type_ring', got return_lse={a['return_lse']!r}, "
+        f"calc_type={a['calc_type']!r}",
+    )
+    _expect(
+        a["mask"] is None and a["mask_type"] in (None, "undefined"),
+        "calc_type_ring takes no mask (mask_type 'undefined')",
+    )
+    _expect(a["qseqlen"] is None, "qseqlen belongs to calc_type_spec (several query tokens)")
+    if a["cache_mode"] not in ATB_MLA_CACHE_MODES or a["qk_descale"] is not None:
+        raise NotModeled(f"npu_multi_head_latent_attention with cache_mode={a['cache_mode']!r}")
+    q, q_rope, ctkv, k_rope, table = (
+        a["q_nope"], a["q_rope"], a["ctkv"], a["k_rope"], a["block_tables"]
+    )  # fmt: skip
+    for name in ("q_nope", "q_rope", "ctkv", "k_rope", "block_tables"):
+        _expect(a[name].is_contiguous(), f"{name} must be contiguous")
+    _expect(q.dtype in FIA_DTYPES, f"q_nope dtype must be one of {FIA_DTYPES}, got {q.dtype}")
+    _expect(
+        q_rope.dtype == ctkv.dtype == k_rope.dtype == q.dtype,
+        "q_nope, q_rope, ctkv and k_rope must share one dtype",
+    )
+    heads = a["head_num"]
+    _expect(heads in ATB_MLA_HEADS, f"head_num must be one of {ATB_MLA_HEADS}, got {heads}")
+    _expect(
+        q.dim() == 3 and q.shape[1:] == (heads, 512),
+        f"q_nope must be [num_tokens, {heads}, 512], got {tuple(q.shape)}",
+    )
+    _expect(
+        q_rope.shape == (*q.shape[:2], 64),
+        f"q_rope must be {(*q.shape[:2], 64)}, got {tuple(q_rope.shape)}",
+    )
+    _expect(a["kv_headnum"] == 1, f"kv_headnum must be 1, got {a['kv_headnum']}")
+    _expect(0 < a["qk_scale"] <= 1, f"qk_scale must lie in (0, 1], got {a['qk_scale']}")
+    _expect(
+        ctkv.dim() == 4 and ctkv.shape[2:] == (1, 512),
+        f"ctkv must be [num_blocks, block_size, 1, 512], got {tuple(ctkv.shape)}",
+    )
+    block_size = ctkv.shape[1]
+    _expect(
+        block_size <= ATB_MLA_MAX_BLOCK_SIZE,
+        f"block_size must be <= {ATB_MLA_MAX_BLOCK_SIZE}, got {block_size}",
+    )
+    _expect(
+        k_rope.shape == (*ctkv.shape[:3], 64),
+        f"k_rope must be {(*ctkv.shape[:3], 64)}, got {tuple(k_rope.shape)}",
+    )
+    lengths = list(a["context_lens"])
+    batch = len(lengths)
+    _expect(
+        batch == q.shape[0],
+        f"one query token per request: context_lens has {batch} entries for {q.shape[0]} tokens",
+    )
+    _expect(batch <= ATB_MLA_MAX_BATCH, f"batch must be <= {ATB_MLA_MAX_BATCH}, got {batch}")
+    _expect(
+        table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == batch,
+        f"block_tables must be int32 [{batch}, max_blocks], got {table.dtype} {tuple(table.shape)}",
+    )
+    capacity = table.shape[1] * block_size
+    _expect(
+        all(0 <= n <= capacity for n in lengths),
+        f"context_lens are per-request KV lengths <= {capacity}, got {lengths}",
+    )
+
+
+def _atb_mla_lse_out(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    _atb_mla_check(a)
+    q, output, lse = a["q_nope"], a["output"], a["lse"]
+    _expect(
+        output.shape == q.shape and output.dtype == q.dtype and output.is_contiguous(),
+        f"output must be a contiguous {tuple(q.shape)} {q.dtype}, got "
+        f"{tuple(output.shape)} {output.dtype}",
+    )
+    lse_shape = (*q.shape[:2], 1)
+    _expect(
+        lse.shape == lse_shape and lse.dtype == q.dtype and lse.is_contiguous(),
+        f"lse must be a contiguous {lse_shape} {q.dtype}, got {tuple(lse.shape)} {lse.dtype}",
+    )
+    _expect(
+        a["workspace"] is None or isinstance(a["workspace"], torch.Tensor),
+        "workspace must be a tensor from _npu_multi_head_latent_attention_get_workspace",
+    )
+    ctkv, k_rope, table = a["ctkv"], a["k_rope"], a["block_tables"]
+    block_size = ctkv.shape[1]
+    keys = torch.cat([ctkv, k_rope], -1)  # [blocks, block_size, 1, 576]
+    query = torch.cat([q, a["q_rope"]], -1)
+    for b, kv_len in enumerate(a["context_lens"]):
+        if kv_len == 0:  # undocumented: the caller must not read these rows
+            output[b], lse[b] = float("nan"), float("nan")
+            continue
+        blocks = table[b, : math.ceil(kv_len / block_size)].long()
+        _expect(
+            bool((blocks >= 0).all()) and bool((blocks < ctkv.shape[0]).all()),
+            f"block_tables row {b} holds block ids outside [0, {ctkv.shape[0]})",
+        )
+        k = keys[blocks].reshape(-1, 1, keys.shape[-1])[:kv_len]
+        visible = torch.ones(1, kv_len, dtype=torch.bool)
+        rows, row_lse = _softmax_attention(
+            query[b : b + 1], k, k[..., :512], visible, a["qk_scale"]
+        )
+        output[b], lse[b] = rows[0], row_lse[0]
+    return output, lse
+
+
+def _atb_mla_workspace(a: dict[str, Any]) -> torch.Tensor:
+    _atb_mla_check(a)
+    return torch.empty(1, dtype=torch.uint8)
+
+
 # ---------------------------------------------------------------- KV cache write
 
 
@@ -670,6 +845,8 @@ IMPLEMENTATIONS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "_npu_fused_infer_attention_score_v2_get_max_workspace": _fia_v2_workspace,
     "npu_scatter_pa_kv_cache": _scatter_pa_kv_cache,
     "npu_fusion_attention": _fusion_attention,
+    "atb.npu_multi_head_latent_attention.lse_out": _atb_mla_lse_out,
+    "atb._npu_multi_head_latent_attention_get_workspace.lse": _atb_mla_workspace,
 }
 
 

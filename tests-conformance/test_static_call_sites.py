@@ -45,9 +45,15 @@ def wrong(q, k, v, stream, handle):
     torch.npu.NPUGraph().capture_begin()
     torch.npu.graph(None, pool=None, stream_priority=1)
     torch_npu.npu.ExternalEvent(1)
-    torch_npu._npu_paged_attention(q, k, v)  # an ATB op: name checked only
+    torch_npu._npu_paged_attention(q, k, v)  # an ATB op: bound to its header declaration
     torch_npu.npu.utils.get_cann_version()
     torch.npu.utils.get_cann_versions()
+    npu.atb.npu_multi_head_latent_attention(q, q, k, v, q, [1], 32, 0.1, 1, head_num=32)
+    npu.atb.npu_multi_head_latent_attention(q, q, k, v, q, [1], 32, 0.1, 1, True, out=q)
+    npu.atb.npu_multi_head_latent_attention(
+        q, q, k, v, q, [1], 32, 0.1, 1, return_lse=True, calc_type="calc_type_ring",
+        workspace=q, output=q, lse=k,
+    )
 """
 
 
@@ -62,7 +68,10 @@ def test_wrong_call_sites_are_reported(torch_npu_api) -> None:
         "torch.npu has no 'graph_task_update_start'",
         "unexpected keyword argument 'stream_priority'",
         "too many positional arguments",
+        "missing a required argument: 'num_kv_heads'",
         "torch.npu.utils.get_cann_versions is not in torch_npu",
+        "no overload takes this call",
+        "no overload takes this call",
     ]
     assert len(problems) == len(expected), problems
     for problem, message in zip(problems, expected):

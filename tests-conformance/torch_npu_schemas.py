@@ -12,16 +12,28 @@ Both become ``inspect.Signature`` objects, so checking a call is ``bind``: the
 function exists, every keyword exists, required arguments are given and the
 positional arity fits. Operator arguments are also checked against their schema
 types (``SymInt[]`` must be a list of ints, not a tensor).
+
+ATB operators (``torch_npu.atb.*``, registered as ``torch.ops.atb`` by a shared
+library) have no yaml schema. Their C++ declarations in
+``torch_npu/include/third_party/op-plugin/op_plugin/include/AtbOpsInterface.h`` are
+parsed into signatures (``parse_atb_header``), and the schema strings the library
+registers (``torch_npu/lib/libop_plugin_atb.so``, read as bytes) are parsed with
+torch's schema parser where the file holds them whole: a call must bind to both.
+The header gives C++ parameter names, which differ from the registered ones in
+places (``head_num`` there, ``q_headnum`` in the schema): pass such arguments by
+position.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
+import re
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +56,14 @@ WHEEL_PLATFORM_ARGS = (
     "cp311",
 )
 OPERATOR_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
-# ATB operators are registered from a shared library: only their names are in Python.
+# ATB operators are registered from a shared library: their names are in Python, their
+# C++ declarations in a header and their registered schemas in the library's strings.
 ATB_OPS_FILE = "torch_npu/op_plugin/atb/_atb_ops.py"
+ATB_HEADER = "torch_npu/include/third_party/op-plugin/op_plugin/include/AtbOpsInterface.h"
+ATB_LIBRARY = "torch_npu/lib/libop_plugin_atb.so"
+# overload names the header spells as C++ suffixes: f_out, f_lse, f_lse_out, and
+# g_lse_get_workspace for g_get_workspace.lse
+ATB_OVERLOAD_SUFFIXES = ("lse_out", "out", "lse")
 PYTHON_API_FILES = (
     "torch_npu/npu/graphs.py",
     "torch_npu/npu/streams.py",
@@ -149,13 +167,15 @@ def parse_operator_schemas(yaml_text: str) -> dict[str, OpSchema]:
     return schemas
 
 
-def _op_schema(func: str) -> OpSchema:
+def _op_schema(func: str, collect_outs: bool = True) -> OpSchema:
+    """``collect_outs``: mutable keyword outputs become one ``out=[...]`` (torch_npu's
+    yaml operators); ATB operators take them by name (``output=``, ``lse=``)."""
     parsed = torch._C.parse_schema(func)
     name = parsed.name + (f".{parsed.overload_name}" if parsed.overload_name else "")
     params, types, outs = [], {}, []
     for arg in parsed.arguments:
         is_out = arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
-        if is_out and not arg.has_default_value():
+        if collect_outs and is_out and not arg.has_default_value():
             outs.append(arg.name)
             continue
         kind = (
@@ -285,6 +305,29 @@ def _default(node: ast.expr | None) -> Any:
 
 
 @dataclass(frozen=True)
+class AtbOverload:
+    """One overload of an ATB operator: its header declaration as a signature, and the
+    schema the library registers for it when the library's strings hold it whole."""
+
+    name: str  # "atb.npu_multi_head_latent_attention.lse_out"
+    cpp_name: str  # "npu_multi_head_latent_attention_lse_out"
+    declared: OpSchema  # from AtbOpsInterface.h, C++ parameter names
+    registered: OpSchema | None  # from libop_plugin_atb.so, the names Python binds
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Bind to the declaration and to the registered schema; arguments by their
+        declared (header) names.
+
+        Raises:
+            SchemaViolation: the call does not fit one of them.
+        """
+        arguments = self.declared.bind(args, kwargs)
+        if self.registered is not None:
+            self.registered.bind(args, kwargs)
+        return arguments
+
+
+@dataclass(frozen=True)
 class TorchNpuApi:
     """Everything the conformance checks read from one torch_npu wheel."""
 
@@ -292,6 +335,152 @@ class TorchNpuApi:
     operators: dict[str, OpSchema]
     python: PythonApi
     atb_ops: frozenset[str]  # "name" (torch_npu.name) or "atb.name"; names only
+    # ATB operators the header declares, by the same names, overloads in header order
+    atb_overloads: dict[str, tuple[AtbOverload, ...]] = field(default_factory=dict)
+
+
+# C++ parameter types of AtbOpsInterface.h -> schema types
+CPP_TYPES = {
+    "const at::Tensor&": "Tensor",
+    "at::Tensor&": "Tensor",
+    "c10::SymIntArrayRef": "List[SymInt]",
+    "c10::OptionalArrayRef<c10::SymInt>": "Optional[List[SymInt]]",
+    "int64_t": "int",
+    "const int64_t": "int",
+    "double": "float",
+    "const double": "float",
+    "bool": "bool",
+    "const c10::optional<at::Tensor>&": "Optional[Tensor]",
+    "c10::optional<c10::string_view>": "Optional[str]",
+}
+_CPP_DECLARATION = re.compile(
+    r"TORCH_NPU_API (?P<result>[^(;]*?)\s*(?P<name>[A-Za-z_]\w*)\((?P<params>[^;]*)\);"
+)
+
+
+def parse_atb_header(text: str) -> dict[str, OpSchema]:
+    """Every ``TORCH_NPU_API`` function of ``AtbOpsInterface.h`` as an ``OpSchema``,
+    keyed by its C++ name.
+
+    The Python form follows the schemas these declarations implement: parameters up
+    to the first optional one are positional, the rest keyword-only; optionals
+    (``c10::optional<...>``, ``c10::OptionalArrayRef``) default to ``None``;
+    ``SymIntArrayRef`` is a list of ints; mutable ``at::Tensor&`` after the optionals
+    are required keyword outputs. Names lose the ``_opt`` suffix of C++ optionals.
+
+    Raises:
+        ValueError: a parameter type the mapping does not know.
+    """
+    P = inspect.Parameter
+    schemas: dict[str, OpSchema] = {}
+    for match in _CPP_DECLARATION.finditer(text):
+        params, types, keyword_only = [], {}, False
+        for declaration in _split_cpp_params(match["params"]):
+            cpp_type, name = _cpp_type_and_name(declaration)
+            if cpp_type not in CPP_TYPES:
+                raise ValueError(f"{match['name']}: unknown C++ parameter type {cpp_type!r}")
+            optional = CPP_TYPES[cpp_type].startswith("Optional[")
+            keyword_only = keyword_only or optional
+            name = name.removesuffix("_opt")
+            kind = P.KEYWORD_ONLY if keyword_only else P.POSITIONAL_OR_KEYWORD
+            params.append(P(name, kind, default=None if optional else P.empty))
+            types[name] = CPP_TYPES[cpp_type]
+        schemas[match["name"]] = OpSchema(match["name"], inspect.Signature(params), types, ())
+    return schemas
+
+
+def _split_cpp_params(text: str) -> list[str]:
+    """Split a C++ parameter list at the commas outside template brackets."""
+    parts, depth, current = [], 0, []
+    for char in text:
+        depth += {"<": 1, ">": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    tail = "".join(current).strip()
+    return [p.strip() for p in parts] + ([tail] if tail else [])
+
+
+def _cpp_type_and_name(declaration: str) -> tuple[str, str]:
+    """``"const at::Tensor &query"`` -> ``("const at::Tensor&", "query")``."""
+    match = re.fullmatch(r"(?P<type>.*?)\s*(?P<name>[A-Za-z_]\w*)", declaration.strip())
+    if match is None:
+        raise ValueError(f"cannot read the C++ parameter {declaration!r}")
+    cpp_type = re.sub(r"\s+", " ", match["type"]).replace(" &", "&").replace("& ", "&").strip()
+    return cpp_type, match["name"]
+
+
+def parse_registered_schemas(library: bytes) -> dict[str, OpSchema]:
+    """Schema strings (``name.overload(...) -> ...``) a compiled operator library holds
+    whole, parsed with torch's parser; outputs are taken by name."""
+    pattern = re.compile(r"[A-Za-z_]\w*(\.\w+)?\(.*\) -> .+")
+    schemas: dict[str, OpSchema] = {}
+    for raw in library.split(b"\x00"):
+        text = raw.decode("latin-1")
+        if pattern.fullmatch(text):
+            try:
+                schema = _op_schema(text, collect_outs=False)
+            except RuntimeError:  # linker-merged fragments of several strings
+                continue
+            schemas.setdefault(schema.name, schema)
+    return schemas
+
+
+def atb_overloads(
+    names: frozenset[str], declared: dict[str, OpSchema], registered: dict[str, OpSchema]
+) -> dict[str, tuple[AtbOverload, ...]]:
+    """The header's functions grouped by the ATB operator they overload (``f``,
+    ``f_out``, ``f_lse``, ``f_lse_out``; ``g_lse_get_workspace`` for
+    ``g_get_workspace.lse``), for each operator name the Python module lists."""
+    overloads: dict[str, tuple[AtbOverload, ...]] = {}
+    for public in sorted(names):
+        base = public.removeprefix("atb.")
+        found = []
+        for cpp_name, schema in declared.items():
+            overload = _overload_of(base, cpp_name)
+            if overload is None:
+                continue
+            schema_name = base + (f".{overload}" if overload else "")
+            qualified = ("atb." if public.startswith("atb.") else "") + schema_name
+            known = registered.get(schema_name)
+            declared_schema = _with_defaults(dataclasses.replace(schema, name=qualified), known)
+            found.append(AtbOverload(qualified, cpp_name, declared_schema, known))
+        if found:
+            overloads[public] = tuple(found)
+    return overloads
+
+
+def _with_defaults(declared: OpSchema, registered: OpSchema | None) -> OpSchema:
+    """The declaration with the registered schema's defaults (C++ declarations carry
+    none), where both list the same parameters in the same order."""
+    if registered is None:
+        return declared
+    ours = list(declared.signature.parameters.values())
+    theirs = list(registered.signature.parameters.values())
+    if len(ours) != len(theirs):
+        return declared
+    params = [
+        mine.replace(default=other.default) if mine.default is mine.empty else mine
+        for mine, other in zip(ours, theirs)
+    ]
+    try:
+        return dataclasses.replace(declared, signature=inspect.Signature(params))
+    except ValueError:  # a default before a required positional: keep the declaration
+        return declared
+
+
+def _overload_of(base: str, cpp_name: str) -> str | None:
+    if cpp_name == base:
+        return ""
+    for suffix in ATB_OVERLOAD_SUFFIXES:
+        if cpp_name == f"{base}_{suffix}":
+            return suffix
+        workspace = base.removesuffix("_get_workspace")
+        if workspace != base and cpp_name == f"{workspace}_{suffix}_get_workspace":
+            return suffix
+    return None
 
 
 def parse_atb_op_names(source: str) -> frozenset[str]:
@@ -313,4 +502,7 @@ def read_wheel(wheel: Path, version: str = TORCH_NPU_VERSION) -> TorchNpuApi:
         operators = parse_operator_schemas(archive.read(OPERATOR_YAML).decode())
         sources = {path: archive.read(path).decode() for path in PYTHON_API_FILES}
         atb_ops = parse_atb_op_names(archive.read(ATB_OPS_FILE).decode())
-    return TorchNpuApi(version, operators, parse_python_api(sources), atb_ops)
+        declared = parse_atb_header(archive.read(ATB_HEADER).decode())
+        registered = parse_registered_schemas(archive.read(ATB_LIBRARY))
+    overloads = atb_overloads(atb_ops, declared, registered)
+    return TorchNpuApi(version, operators, parse_python_api(sources), atb_ops, overloads)
