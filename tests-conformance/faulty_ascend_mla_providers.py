@@ -82,4 +82,48 @@ class TopLeftCausalPrefill(HostAscendMLAProvider):
             ascend_mla.SPARSE_CAUSAL = original
 
 
+class LseKeylessRowsUnmasked(HostAscendMLAProvider):
+    """Takes the ATB op's rows of requests of KV length 0 as they come (undocumented)."""
+
+    def decode(self, q_latent, q_rope, cache, plan, out, *, lse=None):
+        import torch
+
+        every_row_keyed = dataclasses.replace(plan, seq_lens=torch.ones_like(plan.seq_lens))
+        super().decode(q_latent, q_rope, cache, every_row_keyed, out, lse=lse)
+
+
+class LseUnpaddedHeads(HostAscendMLAProvider):
+    """Passes the spec's head count to ATB's MLA unpadded (it takes 8/16/32/64/128)."""
+
+    def decode(self, q_latent, q_rope, cache, plan, out, *, lse=None):
+        original = ascend_mla.ATB_MLA_HEADS
+        ascend_mla.ATB_MLA_HEADS = tuple(range(1, 129))
+        try:
+            super().decode(q_latent, q_rope, cache, plan, out, lse=lse)
+        finally:
+            ascend_mla.ATB_MLA_HEADS = original
+
+
+class LseWithoutRingCalcType(HostAscendMLAProvider):
+    """Asks for the LSE with the default calc type (only calc_type_ring outputs it)."""
+
+    def decode(self, q_latent, q_rope, cache, plan, out, *, lse=None):
+        original = ascend_mla.ATB_MLA_CALC_TYPE
+        ascend_mla.ATB_MLA_CALC_TYPE = "calc_type_undefined"
+        try:
+            super().decode(q_latent, q_rope, cache, plan, out, lse=lse)
+        finally:
+            ascend_mla.ATB_MLA_CALC_TYPE = original
+
+
+class LseInFloat32(HostAscendMLAProvider):
+    """Hands ATB's MLA a float32 LSE buffer (documented: the query's float16/bf16)."""
+
+    def _lse_scratch(self, query):
+        import torch
+
+        result, lse = super()._lse_scratch(query)
+        return result, lse.to(torch.float32)
+
+
 _CHECK_PLANES = ascend_mla._check_planes

@@ -22,6 +22,7 @@ from ascend_mla_cases import (
     mla_reference,
     run_mla_provider,
 )
+from ascend_mla_dcp_cases import DcpBatch
 from call_sites import calls_through
 from torch_npu_schemas import SchemaViolation
 
@@ -36,6 +37,8 @@ CALLS = {
     "_npu_fused_infer_attention_score_v2_get_max_workspace",
     "npu_fused_infer_attention_score_v2.out",
     "npu_fused_infer_attention_score_v2",
+    "atb.npu_multi_head_latent_attention",
+    "atb._npu_multi_head_latent_attention_get_workspace",
 }
 
 
@@ -83,6 +86,8 @@ def test_every_call_site_runs_under_the_schema_checks(stand_in, host_ascend_mla)
     assert sites == CALLS
     for case in MLA_CASES:
         run_mla_provider(build_mla_batch(case), host_ascend_mla)
+    lse_batch = DcpBatch(_case("decode_only").spec, [1, 1], [3, 0])  # the LSE decode
+    lse_batch.rank_part(host_ascend_mla, 2, 0, 1)
     assert sites <= stand_in.log.names()
 
 

@@ -272,9 +272,12 @@ def test_context_parallel_checks_accept_dcp_for_gqa_full_attention():
 def test_context_parallel_checks_refuse_mla_dcp_on_a_provider_without_lse(monkeypatch):
     from vllm.platforms import current_platform
 
+    from npu_attention.providers.ascend_mla import AscendMLAProvider
     from npu_vllm_bridge.platforms.context_parallel_checks import check_context_parallel
 
     monkeypatch.setattr(type(current_platform), "attention_provider", "ascend", raising=False)
+    check_context_parallel(_config(dcp=2, use_mla=True))  # ascend's MLA returns the LSE
+    monkeypatch.setattr(AscendMLAProvider, "returns_lse", False)
     with pytest.raises(ValueError, match=r"MLA models \(m\) only with an MLA provider that"):
         check_context_parallel(_config(dcp=2, use_mla=True))
     check_context_parallel(_config(dcp=2))  # GQA on ascend returns the LSE

