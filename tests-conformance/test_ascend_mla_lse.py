@@ -115,15 +115,27 @@ def test_decode_without_lse_stays_on_the_fused_op(stand_in, host_ascend_mla) -> 
     assert not stand_in.log.of(ATB_CALL)
 
 
-def test_lse_of_speculative_decodes_is_refused(stand_in, host_ascend_mla) -> None:
+@pytest.mark.parametrize(
+    ("cu_seqlens_q", "seq_lens", "message"),
+    [
+        ([0, 3], [8], r"got decode requests of \[3\] query tokens"),  # a verify step
+        ([0, 1, 1], [8, 4], r"got decode requests of \[0, 1\] query tokens"),  # padding
+    ],
+)
+def test_lse_of_other_than_one_token_decodes_is_refused(
+    stand_in, host_ascend_mla, cu_seqlens_q, seq_lens, message
+) -> None:
     from npu_attention import plan
 
     spec = dataclasses.replace(mla_spec(32, 16, torch.bfloat16), num_speculative_tokens=2)
     cache = allocate_latent_cache(4, spec)
-    step = plan([0, 3], [8], [[1]], [5, 6, 7], 1, spec, provider=host_ascend_mla)
-    q = torch.zeros(3, 32, LATENT, dtype=spec.dtype)
-    with pytest.raises(ValueError, match="returns the LSE of one-token decodes only"):
-        mla_decode(q, q[..., :ROPE].clone(), cache, step, q.clone(), lse=torch.zeros(3, 32))
+    rows = cu_seqlens_q[-1]
+    tables = [[1]] * len(seq_lens)
+    step = plan(cu_seqlens_q, seq_lens, tables, [5, 6, 7][:rows], len(seq_lens), spec,
+                provider=host_ascend_mla)  # fmt: skip
+    q = torch.zeros(rows, 32, LATENT, dtype=spec.dtype)
+    with pytest.raises(ValueError, match=message):
+        mla_decode(q, q[..., :ROPE].clone(), cache, step, q.clone(), lse=torch.zeros(rows, 32))
 
 
 # ---------------------------------------------------------------- wrong calls are caught

@@ -404,11 +404,12 @@ def check_mla_spec(spec: MLASpec) -> None:
 
 def _check_lse_decode(data: AscendMLAStepData, spec: MLASpec, rows: int) -> None:
     """Raise if the decode rows need more than ATB's MLA with ``calc_type_ring`` takes."""
-    if data.decode_sparse_mode != SPARSE_NONE:
+    query_lens = np.diff([0, *data.decode_seq_qlen])
+    if data.decode_sparse_mode != SPARSE_NONE or (query_lens != 1).any():
         raise ValueError(
             "the ascend MLA provider returns the LSE of one-token decodes only (ATB's "
-            "MultiLatentAttention takes no mask with calc_type_ring), got decode requests "
-            f"of {max(np.diff([0, *data.decode_seq_qlen]))} query tokens"
+            "MultiLatentAttention takes no mask with calc_type_ring and one token per "
+            f"request), got decode requests of {sorted(set(query_lens.tolist()))} query tokens"
         )
     if rows > ATB_MLA_MAX_BATCH:
         raise ValueError(
