@@ -269,6 +269,8 @@ def _deferred_result(op: _Op) -> Any:
     """What a captured (not yet run) op hands back: its out tensors, or nothing."""
     if "out" in op.arguments:
         return tuple(op.arguments["out"])
+    if op.name.endswith("lse_out"):  # ATB out forms name their outputs
+        return op.arguments["output"], op.arguments["lse"]
     if op.name == "npu_scatter_pa_kv_cache":
         return None
     raise NotModeled(f"torch_npu.{op.name} in a capture: only out-form and in-place ops")

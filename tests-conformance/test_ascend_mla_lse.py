@@ -23,7 +23,7 @@ from ascend_mla_cases import LATENT, ROPE
 from ascend_mla_dcp_cases import BATCHES, DcpBatch, mla_spec
 from torch_npu_schemas import SchemaViolation
 
-from npu_attention import merge_attention_states, register_provider
+from npu_attention import merge_attention_states, plan_context, register_provider
 from npu_attention.mla import allocate_latent_cache, mla_decode
 
 ASCEND_MLA_TARGET = "npu_attention.providers.ascend_mla:AscendMLAProvider"
@@ -234,3 +234,68 @@ def test_faulty_lse_provider_is_caught(stand_in, provider: str, violation) -> No
     _, lse = batch.rank_part(name, 2, 0, 1)
     _, ref_lse = batch.rank_part("reference", 2, 0, 1)
     assert not torch.allclose(lse, ref_lse, **LSE_TOLERANCE[torch.bfloat16], equal_nan=True)
+
+
+# ---------------------------------------------------------------- graph task update
+
+
+def test_task_update_reissues_the_atb_call_with_new_lengths(stand_in, host_ascend_mla) -> None:
+    """The ATB call as a captured task: a task update re-issues it with the next step's
+    per-request KV lengths into the same fixed buffers. The stand-in replays torch_npu
+    ops only, so this reads the op's own ``output`` / ``lse`` buffers; the copies and
+    masking after it are device ops that an NPU graph captures, not modeled here."""
+    npu = stand_in.npu
+    batch = DcpBatch(mla_spec(32, 16, torch.bfloat16), *BATCHES["chunked_prefill"])
+    cache = batch.rank_cache(2, 0, 1)
+    step1 = batch.rank_plan(host_ascend_mla, 2, 0, 1)
+    lengths = np.maximum(np.asarray(step1.seq_lens_host) - 3, 0)  # another step's lengths
+    rows = batch.q_latent.shape[0]
+
+    def plan_of(lens, provider):
+        tables = step1.block_tables
+        return plan_context(np.arange(rows + 1), lens, tables, rows, batch.spec, provider=provider)
+
+    out = torch.zeros_like(batch.q_latent)
+    lse = torch.zeros(rows, batch.spec.num_heads)
+
+    def decode(step_plan) -> None:
+        mla_decode(batch.q_latent, batch.q_rope, cache, step_plan, out, lse=lse)
+
+    graph, capture_stream, event = npu.NPUGraph(), npu.Stream(), npu.ExternalEvent()
+    with npu.graph(graph, stream=capture_stream):
+        stream = npu.current_stream()
+        event.wait(stream)
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        decode(step1)
+        handle = npu.graph_task_group_end(stream)
+    (result, row_lse), = step1.provider._scratch.values()  # fmt: skip
+
+    def check(lens) -> None:
+        ref_out = torch.zeros_like(out)
+        ref_lse = torch.zeros_like(lse)
+        reference = plan_of(lens, "reference")
+        mla_decode(batch.q_latent, batch.q_rope, cache, reference, ref_out, lse=ref_lse)
+        keyed = torch.as_tensor(np.asarray(lens) > 0)
+        got_lse = row_lse[keyed, :, 0].float()
+        torch.testing.assert_close(got_lse, ref_lse[keyed], **LSE_TOLERANCE[torch.bfloat16])
+        torch.testing.assert_close(
+            result[keyed].double(), ref_out[keyed].double(), **TOLERANCE[torch.bfloat16]
+        )
+
+    graph.replay()
+    check(step1.seq_lens_host)
+    graph.replay()  # no update: the captured lengths are stale for the next step
+    with pytest.raises(AssertionError):
+        check(lengths.tolist())
+    update_stream = npu.Stream()
+    with npu.stream(update_stream):
+        npu.graph_task_update_begin(update_stream, handle)
+        decode(plan_of(lengths, host_ascend_mla))
+        npu.graph_task_update_end(update_stream)
+        event.record(update_stream)
+    graph.replay()
+    check(lengths.tolist())
+    (call,) = [c for c in stand_in.log.of(ATB_CALL)][-1:]
+    assert call.arguments["context_lens"] == lengths.tolist()
+    assert call.arguments["output"] is result and call.arguments["lse"] is row_lse
