@@ -174,6 +174,25 @@ def test_capture_build_plans_the_longest_context(model_layers):
     assert metadata.plan.state is BatchState.DECODE_ONLY
 
 
+def test_host_platform_captures_with_vllm_dummy_lengths(model_layers, monkeypatch):
+    """Host graphs re-run attention tasks with each step's plan, so the host platform's
+    captures keep vLLM's short dummy contexts (the NPU's plan the longest, above)."""
+    from vllm.platforms import current_platform
+
+    from npu_vllm_bridge.platforms.host import HostPlatform
+
+    assert HostPlatform.capture_longest_context is False
+    monkeypatch.setattr(type(current_platform), "capture_longest_context", False, raising=False)
+    config, names = model_layers
+    generator = torch.Generator().manual_seed(7)
+    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    batch = make_batch([(0, 1)] * 3, kv_cache, BLOCK_SIZE, generator)
+    common = batch.common.replace(block_table_tensor=torch.zeros(3, 8, dtype=torch.int32))
+    metadata = _builder(config, names).build_for_cudagraph_capture(common)
+    assert metadata.for_capture
+    assert metadata.plan.seq_lens_host == [1] * 3
+
+
 def test_builder_declares_reorder_and_graph_support(model_layers):
     config, names = model_layers
     builder = _builder(config, names)

@@ -77,6 +77,7 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
             kv_cache_spec, layer_names, vllm_config, self.max_decode_len - 1
         )
         self.provider = attention_provider_name()
+        self.capture_longest = capture_longest_context()
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len if model_config is not None else None
         # Decode context parallelism: this rank keeps a share of every request's KV.
@@ -104,14 +105,16 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         self, common_attn_metadata: CommonAttentionMetadata
     ) -> BridgeAttentionMetadata:
         """Plan the dummy capture batch as if every request held the longest
-        context, so that workspaces sized at capture cover every replay."""
+        context, so that workspaces sized at capture cover every replay (on the host,
+        whose graphs re-run attention tasks with each step's plan, vLLM's dummy
+        lengths: ``capture_longest_context``)."""
         return self._build(common_attn_metadata, for_capture=True)
 
     def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeAttentionMetadata:
         block_tables = cm.block_table_tensor[: cm.num_reqs]
         query_lens, seq_lens = host_query_and_seq_lens(cm, exact=self.exact_seq_lens)
         fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
-        if for_capture:
+        if for_capture and self.capture_longest:
             # Under DCP a block-table entry covers block_size tokens of every rank.
             longest = (
                 block_tables.shape[1] * self.spec.block_size * (self.dcp.size if self.dcp else 1)
@@ -250,6 +253,15 @@ def attention_spec_for_layers(
 
 def _layer_attention_shape(impl: Any) -> tuple[int, float, int | None, float | None]:
     return (impl.num_heads, impl.scale, impl.sliding_window, impl.logits_soft_cap)
+
+
+def capture_longest_context() -> bool:
+    """Whether graph captures plan the longest context a block table addresses (what an
+    NPU task's workspace must cover at every replay); the host platform says no."""
+    from vllm.platforms import current_platform
+
+    value = getattr(current_platform, "capture_longest_context", None)
+    return True if value is None else bool(value)
 
 
 def attention_provider_name() -> str | None:

@@ -25,6 +25,7 @@ from npu_attention import AttentionPlan
 from npu_attention.mla import MLASpec
 from npu_vllm_bridge.attention.builder import (
     attention_provider_name,
+    capture_longest_context,
     cumulative,
     fill_padding_requests,
 )
@@ -110,6 +111,7 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
             kv_cache_spec, layer_names, vllm_config, self.max_decode_len - 1
         )
         self.provider = attention_provider_name()
+        self.capture_longest = capture_longest_context()
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len if model_config is not None else None
         self.dcp = dcp_layout_of(vllm_config, getattr(kv_cache_spec, "dcp_sharded", True))
@@ -132,14 +134,15 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
     ) -> BridgeMLAMetadata:
-        """Plan the dummy capture batch as if every request held the longest context."""
+        """Plan the dummy capture batch as if every request held the longest context
+        (vLLM's dummy lengths on the host: ``capture_longest_context``)."""
         return self._build(common_attn_metadata, for_capture=True)
 
     def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeMLAMetadata:
         block_tables = cm.block_table_tensor[: cm.num_reqs]
         query_lens, seq_lens = host_lens(cm, exact=self.exact_seq_lens)
         num_real = pad_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
-        if for_capture:
+        if for_capture and self.capture_longest:
             # Under DCP a block-table entry covers block_size tokens of every rank.
             longest = (
                 block_tables.shape[1] * self.spec.block_size * (self.dcp.size if self.dcp else 1)

@@ -37,6 +37,9 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
     attention_provider: str = "reference"
     kv_cache_split: str = "packed"
     graph_backend: str = "host"
+    # Host graphs record attention tasks whole and re-run them with each step's plan:
+    # no workspace is sized at capture, so captures plan vLLM's short dummy contexts.
+    capture_longest_context: bool = False
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
