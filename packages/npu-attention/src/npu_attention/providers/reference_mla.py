@@ -26,6 +26,7 @@ from npu_attention.providers.reference import (
     KVWrite,
     Tile,
     _group_tiles,
+    _keyless_tokens,
     _kv_write,
     _request_groups,
     _to,
@@ -56,8 +57,8 @@ class ReferenceMLAData:
     decode_tiles: tuple[Tile, ...]
     prefill: PrefillPages | None
     kv_write: KVWrite | None
-    # int64 decode rows of requests with KV length 0 (a DCP rank holding none of a
-    # request's keys): zeros in ``out``, ``-inf`` in ``lse``; None: there are none
+    # int64 rows of requests with KV length 0 (a DCP rank holding none of a request's
+    # keys; only decodes can have none): zeros in ``out``, ``-inf`` in ``lse``; None: none
     keyless_rows: torch.Tensor | None = None
 
 
@@ -74,7 +75,7 @@ class ReferenceMLAProvider(MLAProvider):
             decode_tiles=decode_tiles(plan),
             prefill=prefill_pages(plan),
             kv_write=_kv_write(plan),
-            keyless_rows=keyless_decode_rows(plan),
+            keyless_rows=_keyless_tokens(plan, plan.host_arrays),
         )
 
     def write_cache(
@@ -148,18 +149,6 @@ def decode_tiles(plan: AttentionPlan) -> tuple[Tile, ...]:
     spec = plan.spec
     proxy = _proxy_spec(spec, num_kv_heads=1, head_size=spec.latent_dim)
     return tuple(_group_tiles(dataclasses.replace(plan, spec=proxy), host, decodes))
-
-
-def keyless_decode_rows(plan: AttentionPlan) -> torch.Tensor | None:
-    """Rows of the decode requests that have no key at all (KV length 0), or None."""
-    host = plan.host_arrays
-    keyless = np.flatnonzero(
-        (host.seq_lens[: plan.num_decodes] == 0) & (host.query_lens[: plan.num_decodes] > 0)
-    )
-    if not keyless.size:
-        return None
-    starts, ends = host.cu_seqlens_q[keyless], host.cu_seqlens_q[keyless + 1]
-    return _to(np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]), plan.device)
 
 
 def prefill_pages(plan: AttentionPlan) -> PrefillPages | None:
