@@ -67,10 +67,25 @@ def test_npu_with_zero_devices_is_unusable(monkeypatch: pytest.MonkeyPatch, fake
     assert plugin.npu_unavailable_reason() == "torch_npu sees no NPU device"
 
 
+@pytest.mark.parametrize("value", ["host", "HOST", " host "])
+def test_host_is_the_cpu_mode(monkeypatch: pytest.MonkeyPatch, no_npu: None, value: str) -> None:
+    monkeypatch.setenv(plugin.DEVICE_ENV, value)
+    assert plugin.requested_mode() == "cpu"
+    assert plugin.platform_plugin() == plugin.HOST_PLATFORM
+
+
 def test_unknown_mode_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(plugin.DEVICE_ENV, "gpu")
-    with pytest.raises(ValueError, match=r"one of \('auto', 'cpu', 'npu'\) or unset, got 'gpu'"):
-        plugin.platform_plugin()
+    expected = (
+        r"one of \('auto', 'cpu', 'npu'\) \(or 'host', the same as 'cpu'\) or unset, got 'gpu'"
+    )
+    with pytest.raises(ValueError, match=expected):
+        plugin.requested_mode()
+    # vLLM swallows errors raised during detection: the plugin names a platform whose
+    # creation raises instead.
+    assert plugin.platform_plugin() == plugin.UNKNOWN_MODE_PLATFORM
+    with pytest.raises(ValueError, match=expected):
+        plugin.UnknownModePlatform()
 
 
 def test_vllm_loader_discovers_the_entry_point() -> None:
@@ -104,6 +119,20 @@ def test_vllm_resolves_host_platform_when_cpu() -> None:
     result = _platform_in_fresh_process("cpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == plugin.HOST_PLATFORM
+
+
+def test_vllm_resolves_host_platform_when_host() -> None:
+    result = _platform_in_fresh_process("host")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == plugin.HOST_PLATFORM
+
+
+def test_vllm_fails_clearly_on_an_unknown_switch_value() -> None:
+    """Not vLLM's own CPU platform behind the user's back: the value is named."""
+    result = _platform_in_fresh_process("hots")
+    assert result.returncode != 0
+    assert "NPU_BRIDGE_DEVICE must be one of" in result.stderr
+    assert "got 'hots'" in result.stderr
 
 
 def test_vllm_fails_clearly_when_npu_forced_without_npu() -> None:

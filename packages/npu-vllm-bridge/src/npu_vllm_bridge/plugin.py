@@ -15,15 +15,38 @@ logger = logging.getLogger(__name__)
 DEVICE_ENV = "NPU_BRIDGE_DEVICE"
 NPU_PLATFORM = "npu_vllm_bridge.platforms.npu.NPUPlatform"
 HOST_PLATFORM = "npu_vllm_bridge.platforms.host.HostPlatform"
+UNKNOWN_MODE_PLATFORM = "npu_vllm_bridge.plugin.UnknownModePlatform"
 _MODES = ("auto", "cpu", "npu")
+_ALIASES = {"host": "cpu"}  # host mode runs on the CPU
 
 
 def requested_mode() -> str:
-    """The mode ``NPU_BRIDGE_DEVICE`` asks for: ``auto`` (default), ``cpu`` or ``npu``."""
+    """The mode ``NPU_BRIDGE_DEVICE`` asks for: ``auto`` (default), ``cpu`` (also
+    written ``host``) or ``npu``.
+
+    Raises:
+        ValueError: any other value, named in the message.
+    """
     mode = os.environ.get(DEVICE_ENV, "").strip().lower() or "auto"
+    mode = _ALIASES.get(mode, mode)
     if mode not in _MODES:
-        raise ValueError(f"{DEVICE_ENV} must be one of {_MODES} or unset, got {mode!r}")
+        raise ValueError(
+            f"{DEVICE_ENV} must be one of {_MODES} (or 'host', the same as 'cpu') or unset, "
+            f"got {os.environ.get(DEVICE_ENV)!r}"
+        )
     return mode
+
+
+class UnknownModePlatform:
+    """What the plugin names when ``NPU_BRIDGE_DEVICE`` holds an unknown value. vLLM
+    swallows errors raised while it asks plugins for their platform, but not those
+    raised creating the platform: creating this one raises ``requested_mode``'s
+    ``ValueError``, so a mistyped switch stops vLLM instead of leaving it on its own
+    platform."""
+
+    def __init__(self) -> None:
+        mode = requested_mode()
+        raise RuntimeError(f"{DEVICE_ENV} changed to {mode!r} while vLLM chose its platform")
 
 
 def npu_unavailable_reason() -> str | None:
@@ -67,8 +90,13 @@ def platform_plugin() -> str | None:
     - ``cpu``: the host platform (real vLLM on CPU through the bridge).
     - ``npu``: the NPU platform, unconditionally; loading it raises a
       ``RuntimeError`` naming the cause when no NPU is usable.
+    - anything else: ``UnknownModePlatform``, whose creation raises a ``ValueError``
+      naming the value.
     """
-    mode = requested_mode()
+    try:
+        mode = requested_mode()
+    except ValueError:
+        return UNKNOWN_MODE_PLATFORM
     if mode == "cpu":
         return HOST_PLATFORM
     if mode == "npu":
