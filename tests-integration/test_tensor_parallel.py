@@ -1,9 +1,11 @@
-"""vLLM's own tensor parallelism in host mode: two ranks over gloo, through the bridge.
+"""vLLM's own tensor and pipeline parallelism in host mode: two ranks over gloo, through
+the bridge.
 
 A tiny random Llama whose head counts split evenly over two ranks (4 query heads, 2 KV
-heads) answers greedily with ``tensor_parallel_size=2``, eager and with FULL_DECODE_ONLY
-host graphs; the tokens must equal transformers' (float32, one prompt at a time, no
-tensor parallelism). ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is enough: the engine stays in
+heads) answers greedily with ``tensor_parallel_size=2`` and with
+``pipeline_parallel_size=2`` (one decoder layer per rank), eager and with
+FULL_DECODE_ONLY host graphs; the tokens must equal transformers' (float32, one prompt
+at a time, one rank). ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is enough: the engine stays in
 the test's process and vLLM's multiprocess executor starts one worker per rank.
 
 ``VLLM_CPU_OMP_THREADS_BIND`` is removed from the engine's environment: with fewer NUMA
@@ -28,8 +30,8 @@ from npu_vllm_bridge.platforms.host import omp_threads_bind
 _RNG = random.Random(0)
 PROMPTS = tuple([_RNG.randrange(3, 500) for _ in range(n)] for n in (6, 40, 130))
 MAX_TOKENS = (10, 6, 8)  # the decode batch shrinks as requests finish
-TP_ENGINE = dict(
-    tensor_parallel_size=2,
+LAYOUTS = {"TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2}}
+TWO_RANK_ENGINE = dict(
     max_model_len=512,
     # Each rank sizes its own KV cache from host memory: keep both small.
     gpu_memory_utilization=0.05,
@@ -61,8 +63,9 @@ def tp_model(tmp_path_factory):
     return model, hf_greedy(model, list(PROMPTS), list(MAX_TOKENS))
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 @pytest.mark.parametrize("mode", list(GRAPH_MODES.values()), ids=list(GRAPH_MODES))
-def test_tensor_parallel_equals_transformers(tp_model, tmp_path, mode):
+def test_two_ranks_equal_transformers(tp_model, tmp_path, mode, layout):
     model, hf = tp_model
     rounds = [[{"prompt": p, "max_tokens": m} for p, m in zip(PROMPTS, MAX_TOKENS)]]
     result = run_engine(
@@ -71,7 +74,8 @@ def test_tensor_parallel_equals_transformers(tp_model, tmp_path, mode):
         bridge=True,
         tmp_path=tmp_path,
         unset_env=("VLLM_CPU_OMP_THREADS_BIND",),
-        **TP_ENGINE,
+        **TWO_RANK_ENGINE,
+        **layout,
         **mode,
     )
     assert "error" not in result, result["error"]

@@ -21,6 +21,7 @@ from bridge_batches import (
 )
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import BatchDescriptor, set_forward_context
+from vllm.sequence import IntermediateTensors
 
 import npu_attention
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
@@ -268,6 +269,44 @@ def test_skipped_update_of_one_group_is_caught():
     with set_forward_context(per_layer_of[1], config):
         eager_out = wrapper(inputs.query)
     assert (graph_out - eager_out).abs().max() > 1e-3
+
+
+class _PipelineStage(torch.nn.Module):
+    """A middle pipeline stage without attention: hidden states and residual in and out
+    as vLLM's ``IntermediateTensors``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, positions, intermediate_tensors):
+        hidden = self.proj(intermediate_tensors["hidden_states"]) + positions[:, None]
+        return IntermediateTensors({"hidden_states": hidden, "residual": hidden * 2})
+
+
+def test_pipeline_stage_tensors_pass_through_full_graphs():
+    """A stage's hidden states from the previous stage go into each replay, and each
+    replay returns its own (a host graph would otherwise hand back the capture's)."""
+    config = VllmConfig()
+    stage = _PipelineStage()
+    wrapper = BridgeGraphWrapper(
+        stage, config, CUDAGraphMode.FULL, num_attention_layers=0, graph_backend="host"
+    )
+    descriptor = BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True)
+    positions, received = torch.zeros(4), torch.zeros(4, 8)  # vLLM's persistent buffers
+    generator = torch.Generator().manual_seed(3)
+    for step in range(3):
+        positions.copy_(torch.arange(4) + step)
+        received.copy_(torch.randn(4, 8, generator=generator))
+        with set_forward_context(
+            {}, config, cudagraph_runtime_mode=CUDAGraphMode.FULL, batch_descriptor=descriptor
+        ):
+            out = wrapper(positions, IntermediateTensors({"hidden_states": received}))
+        assert isinstance(out, IntermediateTensors)
+        expected = stage(positions, IntermediateTensors({"hidden_states": received}))
+        for name in ("hidden_states", "residual"):
+            torch.testing.assert_close(out[name], expected[name], atol=1e-6, rtol=0)
+    assert wrapper.graphs.entry(descriptor).replays == 2
 
 
 def test_wrapper_refuses_modes_it_cannot_run():

@@ -10,12 +10,15 @@ captured attention tasks with the step's plan.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
+import torch
+from torch.utils._pytree import tree_map
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.sequence import IntermediateTensors
 
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, get_backend, graph_dispatch
 from npu_vllm_bridge.graphs.counters import graph_counters
@@ -77,7 +80,7 @@ class BridgeGraphWrapper:
             else None
         )
         self.graphs = GraphWrapper(
-            runnable,
+            StageTensorsAdapter(runnable),
             backend=get_backend(graph_backend or graph_backend_name()),
             mode=self.graph_mode,
             tasks=self.tasks,
@@ -105,16 +108,17 @@ class BridgeGraphWrapper:
         key = context.batch_descriptor
         if key is None:
             raise ValueError(f"{self.runtime_mode.name} graph dispatch without a batch descriptor")
+        args, kwargs = to_stage_tensors((args, kwargs))
         if self.graphs.has_graph(key):
             self._before_replay(key, context.attn_metadata)
             with graph_dispatch(self.graph_mode, key):
-                return self.graphs(*args, **kwargs)
+                return from_stage_tensors(self.graphs(*args, **kwargs))
         validate_cudagraph_capturing_enabled()
         with graph_dispatch(self.graph_mode, key):
             outputs = self.graphs(*args, **kwargs)
         graph_counters().captured += 1
         compilation_counter.num_cudagraph_captured += 1  # as vLLM's CUDAGraphWrapper counts
-        return outputs
+        return from_stage_tensors(outputs)
 
     def _before_replay(self, key: Any, attn_metadata: Any) -> None:
         counters = graph_counters()
@@ -137,6 +141,51 @@ class BridgeGraphWrapper:
     def unwrap(self) -> Callable[..., Any]:
         runnable = self.runnable
         return runnable.unwrap() if hasattr(runnable, "unwrap") else runnable
+
+    def __getattr__(self, name: str) -> Any:
+        runnable = self.__dict__.get("runnable")
+        if runnable is None:
+            raise AttributeError(name)
+        return getattr(runnable, name)
+
+
+class StageTensors(NamedTuple):
+    """vLLM's ``IntermediateTensors`` (the hidden states a pipeline stage passes on) as
+    a pytree: npu-graphs finds a graph's inputs and outputs among the tensor leaves of
+    its arguments and results, and an ``IntermediateTensors`` would be one opaque leaf
+    (a host graph would return the capture's hidden states at every replay)."""
+
+    tensors: dict[str, torch.Tensor]
+
+
+def to_stage_tensors(tree: Any) -> Any:
+    """``tree`` with each ``IntermediateTensors`` as a :class:`StageTensors`."""
+    return tree_map(
+        lambda x: StageTensors(dict(x.tensors)) if isinstance(x, IntermediateTensors) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, IntermediateTensors),
+    )
+
+
+def from_stage_tensors(tree: Any) -> Any:
+    """``tree`` with each :class:`StageTensors` back as an ``IntermediateTensors``."""
+    return tree_map(
+        lambda x: IntermediateTensors(dict(x.tensors)) if isinstance(x, StageTensors) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, StageTensors),
+    )
+
+
+class StageTensorsAdapter:
+    """The runnable a graph records: takes and returns :class:`StageTensors` where the
+    model takes and returns ``IntermediateTensors``."""
+
+    def __init__(self, runnable: Callable[..., Any]) -> None:
+        self.runnable = runnable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = from_stage_tensors((args, kwargs))
+        return to_stage_tensors(self.runnable(*args, **kwargs))
 
     def __getattr__(self, name: str) -> Any:
         runnable = self.__dict__.get("runnable")

@@ -35,6 +35,18 @@ class HostModelRunner(GraphRunnerMixin, CPUModelRunner):
         super().load_model(*args, **kwargs)
         install_mla_dcp(self.vllm_config)
 
+    def allocate_pipeline_inputs(self) -> None:
+        """The buffers a later pipeline stage copies the previous stage's hidden states
+        into. vLLM allocates them in its dummy run, which an eager CPU engine never makes
+        (without this its second stage fails its first step)."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        if get_pp_group().is_first_rank or self.intermediate_tensors is not None:
+            return
+        self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+            batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device
+        )
+
 
 def record_cpu_gemms_whole() -> None:
     """Register vLLM's CPU GEMM custom ops (those this build has) as whole host-graph ops."""
@@ -71,6 +83,7 @@ class HostWorker(CPUWorker):
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
+        self.model_runner.allocate_pipeline_inputs()
         if not self.model_config.enforce_eager:
             self.model_runner.capture_model()
         return times
