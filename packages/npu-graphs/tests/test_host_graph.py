@@ -329,3 +329,44 @@ def test_replay_checks_its_inputs(host):
         host.replay(graph)
     with pytest.raises(GraphReplayError, match=r"captured as \(4,\) torch.float32, replayed with"):
         host.replay(graph, [torch.randn(5)])
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "tensor",
+        "nested tuples and lists with scalars",
+        "dict",
+        "namedtuple holding a dict",
+        "torch.return_types",
+        "OrderedDict",
+        "torch.Size",
+        "dtype, device, str",
+        "Parameter",
+    ],
+)
+def test_tensor_leaves_are_the_pytree_tensor_leaves(value: str) -> None:
+    """The recorder's fast walk finds the tensors ``tree_leaves`` finds, in its order."""
+    import collections
+
+    from torch.utils._pytree import tree_leaves
+
+    from npu_graphs.backends.host_program import tensor_leaves
+
+    t = [torch.zeros(i + 1) for i in range(5)]
+    pair = collections.namedtuple("pair", "a b")
+    structures = {
+        "tensor": t[0],
+        "nested tuples and lists with scalars": (t[0], 1, None, [t[1], (t[2],)], 2.5),
+        "dict": {"x": t[3], "y": [t[4], 2.0], "z": None},
+        "namedtuple holding a dict": pair(t[0], {"q": t[1]}),
+        "torch.return_types": torch.max(torch.arange(12.0).view(3, 4), 1),
+        "OrderedDict": collections.OrderedDict(b=t[2], a=t[1]),
+        "torch.Size": torch.Size([2, 3]),
+        "dtype, device, str": (torch.float32, torch.device("cpu"), "s"),
+        "Parameter": torch.nn.Parameter(torch.ones(2)),
+    }
+    tree = structures[value]
+    expected = [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+    found = tensor_leaves(tree)
+    assert [id(x) for x in found] == [id(x) for x in expected]

@@ -35,7 +35,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from npu_graphs.backends.base import GraphBackend, TaskUpdate
-from npu_graphs.backends.host_program import HostProgram, Kind, Layout, Op, substitute
+from npu_graphs.backends.host_program import (
+    HostProgram,
+    Kind,
+    Layout,
+    Op,
+    substitute,
+    tensor_leaves,
+)
 from npu_graphs.errors import GraphCaptureError, GraphReplayError, TaskUpdateError
 
 _NATIVE_NAMESPACES = frozenset({"aten", "prim", "prims"})
@@ -109,23 +116,14 @@ def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _aliases_inputs(outputs: Any, args: tuple, kwargs: dict) -> bool:
     """True if every tensor output shares storage with some tensor input."""
-    inputs = {
-        leaf.untyped_storage().data_ptr()
-        for leaf in tree_leaves((args, kwargs))
-        if isinstance(leaf, torch.Tensor)
-    }
-    return all(
-        leaf.untyped_storage().data_ptr() in inputs
-        for leaf in tree_leaves(outputs)
-        if isinstance(leaf, torch.Tensor)
-    )
+    inputs = {leaf.untyped_storage().data_ptr() for leaf in tensor_leaves((args, kwargs))}
+    return all(leaf.untyped_storage().data_ptr() in inputs for leaf in tensor_leaves(outputs))
 
 
 def _backend_keys(args: tuple, kwargs: dict) -> Any:
     below_python = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
-    for leaf in tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            return torch._C._dispatch_keys(leaf) & below_python
+    for leaf in tensor_leaves((args, kwargs)):
+        return torch._C._dispatch_keys(leaf) & below_python
     return None
 
 
@@ -177,11 +175,10 @@ class HostGraph:
             return 0
         storages = {}
         for op in self.ops:
-            for leaf in tree_leaves(op.outputs):
-                if isinstance(leaf, torch.Tensor):
-                    storage = leaf.untyped_storage()
-                    if storage.data_ptr() in self.program.layout.persistent:
-                        storages[storage.data_ptr()] = storage.nbytes()
+            for leaf in tensor_leaves(op.outputs):
+                storage = leaf.untyped_storage()
+                if storage.data_ptr() in self.program.layout.persistent:
+                    storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values()) + self.program.kept_bytes()
 
     @property
@@ -284,12 +281,8 @@ class _GroupUpdate:
         return fresh
 
     def _check_input_shapes(self, old: Op, func: Any, args: tuple, kwargs: dict) -> None:
-        before = [
-            tuple(t.shape)
-            for t in tree_leaves((old.args, old.kwargs))
-            if isinstance(t, torch.Tensor)
-        ]
-        now = [tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        before = [tuple(t.shape) for t in tensor_leaves((old.args, old.kwargs))]
+        now = [tuple(t.shape) for t in tensor_leaves((args, kwargs))]
         if before != now:
             raise TaskUpdateError(
                 f"task group {self.index}: {func} input shapes {now} differ from the "
