@@ -70,7 +70,8 @@ def print_graph_counters(enforce_eager: bool) -> None:
         return
     c = graph_counters()
     print(
-        f"Graphs: {c.captured} captured in {c.capture_seconds:.1f} s, holding "
+        f"Graphs: {c.captured} recorded in {c.capture_seconds:.1f} s (one per FULL batch "
+        "size, one per piece of each PIECEWISE batch size), holding "
         f"{c.capture_bytes / 2**20:.1f} MiB (estimated {c.estimated_bytes / 2**20:.1f} MiB "
         "before the KV cache was sized)."
     )
