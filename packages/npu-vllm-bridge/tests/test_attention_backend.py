@@ -162,13 +162,18 @@ def test_graph_padded_decode_batch_becomes_uniform_decode(model_layers):
     assert int(changed.any(dim=(1, 2, 3)).sum()) <= 2  # only the two real requests' blocks
 
 
-def test_capture_build_plans_the_longest_context(model_layers):
+def _capture_metadata(model_layers):
+    """The capture build of three one-token decodes whose block tables hold 8 blocks."""
     config, names = model_layers
     generator = torch.Generator().manual_seed(7)
     kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     batch = make_batch([(0, 1)] * 3, kv_cache, BLOCK_SIZE, generator)
     common = batch.common.replace(block_table_tensor=torch.zeros(3, 8, dtype=torch.int32))
-    metadata = _builder(config, names).build_for_cudagraph_capture(common)
+    return _builder(config, names).build_for_cudagraph_capture(common)
+
+
+def test_capture_build_plans_the_longest_context(model_layers):
+    metadata = _capture_metadata(model_layers)
     assert metadata.for_capture
     assert metadata.plan.seq_lens_host == [8 * BLOCK_SIZE] * 3
     assert metadata.plan.state is BatchState.DECODE_ONLY
@@ -183,12 +188,7 @@ def test_host_platform_captures_with_vllm_dummy_lengths(model_layers, monkeypatc
 
     assert HostPlatform.capture_longest_context is False
     monkeypatch.setattr(type(current_platform), "capture_longest_context", False, raising=False)
-    config, names = model_layers
-    generator = torch.Generator().manual_seed(7)
-    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    batch = make_batch([(0, 1)] * 3, kv_cache, BLOCK_SIZE, generator)
-    common = batch.common.replace(block_table_tensor=torch.zeros(3, 8, dtype=torch.int32))
-    metadata = _builder(config, names).build_for_cudagraph_capture(common)
+    metadata = _capture_metadata(model_layers)
     assert metadata.for_capture
     assert metadata.plan.seq_lens_host == [1] * 3
 

@@ -115,13 +115,10 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         query_lens, seq_lens = host_query_and_seq_lens(cm, exact=self.exact_seq_lens)
         fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
         if for_capture and self.capture_longest:
-            # Under DCP a block-table entry covers block_size tokens of every rank.
-            longest = (
-                block_tables.shape[1] * self.spec.block_size * (self.dcp.size if self.dcp else 1)
-            )
-            if self.max_model_len is not None:
-                longest = min(longest, self.max_model_len)
-            seq_lens = [max(longest, q) if q else 0 for q in query_lens]
+            seq_lens = longest_context_lens(
+                query_lens, block_tables.shape[1], self.spec.block_size, self.dcp,
+                self.max_model_len,
+            )  # fmt: skip
         cu_seqlens_q = cumulative(query_lens)
         num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
         if self.dcp is not None:
@@ -253,6 +250,23 @@ def attention_spec_for_layers(
 
 def _layer_attention_shape(impl: Any) -> tuple[int, float, int | None, float | None]:
     return (impl.num_heads, impl.scale, impl.sliding_window, impl.logits_soft_cap)
+
+
+def longest_context_lens(
+    query_lens: list[int],
+    table_width: int,
+    block_size: int,
+    dcp: Any,
+    max_model_len: int | None,
+) -> list[int]:
+    """Capture-time KV lengths: every request that brings tokens holds the longest
+    context its block table (``table_width`` blocks) addresses, up to ``max_model_len``;
+    padding requests (no tokens) hold none."""
+    # Under DCP a block-table entry covers block_size tokens of every rank.
+    longest = table_width * block_size * (dcp.size if dcp else 1)
+    if max_model_len is not None:
+        longest = min(longest, max_model_len)
+    return [max(longest, q) if q else 0 for q in query_lens]
 
 
 def capture_longest_context() -> bool:

@@ -28,6 +28,7 @@ from npu_vllm_bridge.attention.builder import (
     capture_longest_context,
     cumulative,
     fill_padding_requests,
+    longest_context_lens,
 )
 from npu_vllm_bridge.attention.context_parallel import dcp_layout_of
 from npu_vllm_bridge.attention.mla_context_parallel import plan_mla_dcp
@@ -143,13 +144,10 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
         query_lens, seq_lens = host_lens(cm, exact=self.exact_seq_lens)
         num_real = pad_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
         if for_capture and self.capture_longest:
-            # Under DCP a block-table entry covers block_size tokens of every rank.
-            longest = (
-                block_tables.shape[1] * self.spec.block_size * (self.dcp.size if self.dcp else 1)
-            )
-            if self.max_model_len is not None:
-                longest = min(longest, self.max_model_len)
-            seq_lens = [max(longest, q) if q else 0 for q in query_lens]
+            seq_lens = longest_context_lens(
+                query_lens, block_tables.shape[1], self.spec.block_size, self.dcp,
+                self.max_model_len,
+            )  # fmt: skip
         if self.dcp is not None:
             return self._build_dcp(cm, query_lens[:num_real], seq_lens[:num_real], for_capture)
         num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
