@@ -227,75 +227,6 @@ def sweep(device: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
-def merge_sweep(device: torch.device) -> list[dict[str, Any]]:
-    """Split decodes merged by a second kernel against merged by the last split program
-    (``merge_in_kernel``), over split counts and two tile shapes, block size 128, ``pdl``
-    on: graph replay (L2 cleared), and for the three fastest choices of each shape and
-    the provider's own choice, the amortized kernel-only time (32 calls in one graph)."""
-    rows = []
-    shapes = {  # (batch, context): KV splits to try
-        (1, 512): (1, 2, 4, 8),
-        (1, 4096): (8, 16, 32, 64),
-        (4, 4096): (2, 4, 8, 16),
-        (16, 512): (1, 2, 4, 8),
-        (16, 4096): (1, 2, 4),
-        (32, 512): (1, 2, 4),
-        (64, 512): (1, 2),
-    }
-    tiles = ((64, 2, 3), (128, 4, 3))  # (block_n, warps, stages)
-    for (batch, context), split_choices in shapes.items():
-        copies = [DecodeProblem(batch, context, device, seed) for seed in range(5)]
-        problem = copies[0]
-        expected = problem.sdpa().float()
-        best_sdpa = min(
-            ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
-        )
-        cudnn = _timing.peer_runner("cudnn", problem.sdpa)
-        cudnn_runners = [_timing.peer_runner("cudnn", p.sdpa) for p in copies]
-        cudnn_amortized = amortized_graph_us(cudnn_runners) if cudnn is not None else None
-        shape_rows = []
-        default = TritonProvider()
-        for (block_n, warps, stages), splits, in_kernel in itertools.product(
-            tiles, split_choices, (0, 1)
-        ):
-            if splits == 1 and in_kernel:
-                continue
-            provider = TritonProvider()
-            launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "pdl": 1,
-                      "merge_in_kernel": in_kernel}  # fmt: skip
-            provider.decode_launch = provider.decode_launch_one_wave = launch
-            provider._num_kv_splits = lambda *_, s=splits: s
-            result = measure(problem, provider, 128, expected)
-            shape_rows.append({
-                "batch": batch, "context": context, "block_n": block_n, "warps": warps,
-                "splits": splits, "merge_in_kernel": in_kernel, "us": result["ms"] * 1e3,
-                "best_sdpa_us": best_sdpa * 1e3, "vs_best_sdpa": best_sdpa / result["ms"],
-                "max_err": result["max_abs_err_vs_sdpa"], "provider": provider,
-            })  # fmt: skip
-        result = measure(problem, default, 128, expected)
-        shape_rows.append({
-            "batch": batch, "context": context, "block_n": "default", "warps": "default",
-            "splits": result["kv_splits"], "merge_in_kernel": "default",
-            "us": result["ms"] * 1e3, "best_sdpa_us": best_sdpa * 1e3,
-            "vs_best_sdpa": best_sdpa / result["ms"], "max_err": result["max_abs_err_vs_sdpa"],
-            "provider": default,
-        })  # fmt: skip
-        fastest = sorted(shape_rows[:-1], key=lambda r: r["us"])[:3] + shape_rows[-1:]
-        for row in shape_rows:
-            provider = row.pop("provider")
-            if any(row is chosen for chosen in fastest):
-                runners = [p.paged_runner(provider, 128)[0] for p in copies]
-                row["amortized_us"] = amortized_graph_us(runners)
-                row["cudnn_amortized_us"] = cudnn_amortized or "n/a"
-            else:
-                row["amortized_us"] = row["cudnn_amortized_us"] = ""
-        _timing.print_table(list(shape_rows[0]), sorted(shape_rows, key=lambda r: r["us"]))
-        rows.extend(shape_rows)
-        del problem, copies, cudnn_runners
-        torch.cuda.empty_cache()
-    return rows
-
-
 def profile_kernels(device: torch.device) -> None:
     """Device time of each kernel of batch 1 x 4096 (block 128), triton and its peers."""
     problem = DecodeProblem(1, 4096, device)
@@ -343,16 +274,8 @@ def main() -> None:
         action="store_true",
         help="only time pdl on/off, then launch x split choices, small batches",
     )
-    parser.add_argument(
-        "--merge-sweep",
-        action="store_true",
-        help="only time split merges (second kernel / in the attention kernel), small batches",
-    )
     args = parser.parse_args()
     device = _timing.require_cuda()
-    if args.merge_sweep:
-        _timing.write_json("decode_merge_sweep", {"rows": merge_sweep(device)})
-        return
     if args.sweep:
         pdl_rows = pdl_sweep(device)
         _timing.write_json("decode_sweep", {"pdl_rows": pdl_rows, "rows": sweep(device)})

@@ -19,7 +19,7 @@ import torch
 from triton_interpreter import DEVICE, HAS_CUDA
 
 from npu_attention.plan import AttentionPlan
-from npu_attention.providers.triton import TritonProvider, TritonStepData, split_counters
+from npu_attention.providers.triton import TritonProvider, TritonStepData
 from npu_attention.spec import AttentionSpec, BatchState
 
 pytest.importorskip("triton")
@@ -143,14 +143,7 @@ class Batch:
 
     def reference(self) -> torch.Tensor:
         """Dense float32 attention of the real (unpadded) query rows."""
-        return self._reference()[0]
-
-    def reference_lse(self) -> torch.Tensor:
-        """float32 ``[real tokens, heads]``: natural-log LSE of each row's scaled scores."""
-        return self._reference()[1]
-
-    def _reference(self) -> tuple[torch.Tensor, torch.Tensor]:
-        spec, outs, lses, start = self.spec, [], [], 0
+        spec, outs, start = self.spec, [], 0
         group = spec.num_queries_per_kv
         for r, (n, c, s) in enumerate(zip(self.query_lens, self.context_lens, self.seq_lens)):
             q = self.query[start : start + n].float().cpu()
@@ -170,9 +163,8 @@ class Batch:
                     visible &= key_pos < pos + spec.sliding_window
             scores = scores.masked_fill(~visible, float("-inf"))
             outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
-            lses.append(torch.logsumexp(scores, -1).T)
             start += n
-        return torch.cat(outs), torch.cat(lses)
+        return torch.cat(outs)
 
     def run(self, provider: TritonProvider | None = None) -> torch.Tensor:
         provider = provider or self.plan.provider
@@ -187,13 +179,6 @@ def assert_matches_reference(batch: Batch, out: torch.Tensor) -> None:
     real = batch.plan.num_actual_tokens
     torch.testing.assert_close(out[:real].float().cpu(), batch.reference(), atol=tol, rtol=tol)
     assert out[real:].isnan().all(), "rows past the real tokens must be left untouched"
-
-
-def assert_lse_matches_reference(batch: Batch, lse: torch.Tensor) -> None:
-    """LSE of the real rows within float32 rounding (1e-4); rows past them untouched."""
-    real = batch.plan.num_actual_tokens
-    torch.testing.assert_close(lse[:real].cpu(), batch.reference_lse(), atol=1e-4, rtol=1e-4)
-    assert lse[real:].isnan().all(), "LSE rows past the real tokens must be left untouched"
 
 
 def small_spec(**overrides: object) -> AttentionSpec:
@@ -256,77 +241,15 @@ def test_prefill_with_overlapped_scores_matches_dense_reference(
     assert_matches_reference(batch, batch.run(provider))
 
 
-@pytest.mark.parametrize("merge_in_kernel", [0, 1])
-def test_decode_with_kv_splits_matches_dense_reference(merge_in_kernel: int) -> None:
-    """Splits merged by a second kernel, or by the last split program of each request
-    and KV head (its arrival counters are back at 0 afterwards), with the LSE."""
+def test_decode_with_kv_splits_matches_dense_reference() -> None:
     provider = TritonProvider()
     provider.min_tokens_per_split = 16
     provider.target_waves = 64
     provider.min_unsplit_fill = float("inf")
-    provider.decode_launch = {**provider.decode_launch, "merge_in_kernel": merge_in_kernel}
     batch = Batch(small_spec(), [1, 1], [70, 9], num_decodes=2, pad_tokens=1)
-    step = batch.plan.provider_data = provider.prepare(batch.plan)
-    assert step.num_kv_splits > 1
-    assert (step.split_counters is not None) == bool(merge_in_kernel)
-    lse = torch.full((batch.query.shape[0], batch.spec.num_heads), float("nan"), device=DEVICE)
-    out = torch.full_like(batch.query, float("nan"))
-    provider.write_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.plan)
-    provider.attend(batch.query, batch.key_cache, batch.value_cache, batch.plan, out, lse=lse)
-    assert_matches_reference(batch, out)
-    assert_lse_matches_reference(batch, lse)
-    if merge_in_kernel:
-        assert not step.split_counters.any(), "the last split must reset its counter"
-
-
-def test_split_counters_are_shared_through_plan_buffers_only() -> None:
-    """Plans made with the same ``PlanBuffers`` (graph replays) read one counter array
-    sized for the buffers' capacity; a plan without buffers gets its own."""
-    from npu_attention import PlanBuffers, plan
-
-    spec = small_spec()
-    buffers = PlanBuffers.allocate(8, 16, 4, device=DEVICE)
-    tables = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
-    plans = [
-        plan([0, 1, 2], [9, 20], tables, [8, 19], 2, spec, device=DEVICE, provider="triton",
-             buffers=buffers if shared else None)
-        for shared in (True, True, False, False)
-    ]  # fmt: skip
-    counters = [split_counters(p) for p in plans]
-    assert counters[0] is counters[1]
-    assert counters[0].shape == (8 * spec.num_kv_heads,)
-    assert counters[2].shape == (2 * spec.num_kv_heads,)
-    assert counters[2].data_ptr() != counters[3].data_ptr()
-    assert all(c.dtype == torch.int32 and not c.any() for c in counters)
-
-
-def test_attend_rejects_split_counters_too_small() -> None:
-    from npu_attention.providers.triton_kernels import paged_attention
-
-    provider = TritonProvider()
-    batch = Batch(small_spec(), [1, 1], [70, 9], num_decodes=2)
-    config = provider._launch_config(batch.spec, True, 2)
-    needed = 2 * batch.spec.num_kv_heads
-    for counters in (
-        torch.zeros(needed - 1, dtype=torch.int32, device=DEVICE),
-        torch.zeros(needed, dtype=torch.int64, device=DEVICE),
-    ):
-        with pytest.raises(ValueError, match=rf"split_counters must be int32 \[>= {needed}\]"):
-            paged_attention(
-                batch.query, batch.key_cache, batch.value_cache, torch.empty_like(batch.query),
-                batch.plan.cu_seqlens_q, batch.plan.seq_lens, batch.plan.block_tables,
-                config=config, decode_tiles=True, scale=batch.spec.softmax_scale,
-                split_counters=counters,
-            )  # fmt: skip
-
-
-def split_step(num_kv_splits: int, counters_for: AttentionPlan | None = None) -> TritonStepData:
-    """Decode tiles with ``num_kv_splits`` splits, merged in the attention kernel with
-    fresh counters for the plan ``counters_for`` (or by the merge kernel: ``None``)."""
-    counters = None
-    if counters_for is not None and num_kv_splits > 1:
-        counters = split_counters(counters_for)
-    return TritonStepData(decode_tiles=True, num_kv_splits=num_kv_splits, split_counters=counters)
+    batch.plan.provider_data = provider.prepare(batch.plan)
+    assert batch.plan.provider_data.num_kv_splits > 1
+    assert_matches_reference(batch, batch.run(provider))
 
 
 def pdl_provider() -> TritonProvider:
@@ -393,16 +316,14 @@ def test_prepare_chooses_decode_tiles_only_for_decode_states() -> None:
     assert mixed.plan.provider_data == TritonStepData(decode_tiles=False, num_kv_splits=1)
 
 
-@pytest.mark.parametrize(("num_kv_splits", "merge_in_kernel"), [(1, False), (3, False), (3, True)])
-def test_padded_requests_of_a_larger_captured_batch_are_skipped(
-    num_kv_splits: int, merge_in_kernel: bool
-) -> None:
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_padded_requests_of_a_larger_captured_batch_are_skipped(num_kv_splits: int) -> None:
     """A graph captured for 4 decodes replays a 2-request step: the fixed buffers hold
     neutral padding past the real requests (query length 0, sequence length 0)."""
     captured = Batch(small_spec(), [1] * 4, [30, 5, 17, 40], num_decodes=4)
     real = Batch(small_spec(), [1] * 2, [12, 33], num_decodes=2, seed=3)
     step = captured.plan  # host fields (num_reqs=4, splits) as captured
-    step.provider_data = split_step(num_kv_splits, step if merge_in_kernel else None)
+    step.provider_data = TritonStepData(decode_tiles=True, num_kv_splits=num_kv_splits)
     step.cu_seqlens_q.copy_(torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32))
     step.seq_lens.copy_(torch.tensor([13, 34, 0, 0], dtype=torch.int32))
     step.block_tables.zero_()[:2, : real.block_tables.shape[1]] = real.plan.block_tables
@@ -416,8 +337,6 @@ def test_padded_requests_of_a_larger_captured_batch_are_skipped(
     provider.attend(query, real.key_cache, real.value_cache, step, out)
     assert_matches_reference(real, out[:2])
     assert out[2:].isnan().all(), "rows of padded requests must be left untouched"
-    if merge_in_kernel:
-        assert not step.provider_data.split_counters.any()
 
 
 def test_is_available_false_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -566,18 +485,12 @@ def test_gpu_features(features: dict, decode: bool) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("merge_in_kernel", [False, True])
 @pytest.mark.parametrize("num_kv_splits", [2, 7, 64])
-def test_gpu_forced_kv_splits(num_kv_splits: int, merge_in_kernel: bool) -> None:
+def test_gpu_forced_kv_splits(num_kv_splits: int) -> None:
     spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
     batch = Batch(spec, [1] * 5, [0, 1, 31, 600, 3000], num_decodes=5, pad_tokens=3)
-    step = batch.plan.provider_data = split_step(
-        num_kv_splits, batch.plan if merge_in_kernel else None
-    )
-    for _ in range(3):  # the counters must be back at 0 for the next launch
-        assert_matches_reference(batch, batch.run())
-    if merge_in_kernel:
-        assert not step.split_counters.any()
+    batch.plan.provider_data = TritonStepData(decode_tiles=True, num_kv_splits=num_kv_splits)
+    assert_matches_reference(batch, batch.run())
 
 
 @pytest.mark.cuda
@@ -610,32 +523,27 @@ def test_gpu_decode_launch_choices(
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(
-    ("num_kv_splits", "merge_in_kernel"), [(1, False), (2, False), (33, False), (33, True)]
-)
+@pytest.mark.parametrize("num_kv_splits", [1, 2, 33])
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_gpu_programmatic_dependent_launch(
-    num_kv_splits: int, merge_in_kernel: bool, block_size: int
-) -> None:
+def test_gpu_programmatic_dependent_launch(num_kv_splits: int, block_size: int) -> None:
     """``pdl`` (the attention kernel waits for the kernel before it, the merge of a
     split decode for the attention kernel): decode with and without splits, and a
     mixed batch, right after the KV write that produced their keys."""
     spec = AttentionSpec(32, 8, 128, block_size=block_size, dtype=torch.bfloat16)
     provider = pdl_provider()
     decode = Batch(spec, [1] * 5, [0, 1, 31, 600, 3000], num_decodes=5, pad_tokens=3)
-    decode.plan.provider_data = split_step(num_kv_splits, decode.plan if merge_in_kernel else None)
+    decode.plan.provider_data = TritonStepData(decode_tiles=True, num_kv_splits=num_kv_splits)
     assert_matches_reference(decode, decode.run(provider))
     mixed = Batch(spec, [1, 1, 250, 33], [900, 5, 0, 300], num_decodes=2, pad_tokens=2, seed=3)
     assert_matches_reference(mixed, mixed.run(provider))
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("merge_in_kernel", [False, True])
-def test_gpu_programmatic_dependent_launch_in_a_graph(merge_in_kernel: bool) -> None:
+def test_gpu_programmatic_dependent_launch_in_a_graph() -> None:
     """A captured split decode with ``pdl``, replayed twice over new keys and queries."""
     spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
     batch = Batch(spec, [1] * 3, [4000, 70, 1500], num_decodes=3, pad_tokens=1)
-    batch.plan.provider_data = split_step(16, batch.plan if merge_in_kernel else None)
+    batch.plan.provider_data = TritonStepData(decode_tiles=True, num_kv_splits=16)
     provider = pdl_provider()
     out = torch.full_like(batch.query, float("nan"))
     batch.run(provider)  # compiles the kernels outside the capture

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -37,15 +36,12 @@ class TritonStepData:
     most ``1 + num_speculative_tokens`` query tokens); ``num_kv_splits``: programs
     along each decode request's keys (1 = no split); ``one_wave``: an unsplit decode
     whose programs fit one per multiprocessor, launched with the wider
-    ``decode_launch_one_wave`` tiles; ``split_counters``: int32 zeros ``[>= num_reqs *
-    kv_heads]`` for a split decode whose splits merge in the attention kernel (the
-    last split of each request and KV head merges), ``None`` for a merge kernel.
+    ``decode_launch_one_wave`` tiles.
     """
 
     decode_tiles: bool
     num_kv_splits: int
     one_wave: bool = False
-    split_counters: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 class TritonProvider(AttentionProvider):
@@ -76,14 +72,11 @@ class TritonProvider(AttentionProvider):
         # ``pdl``: a split decode's merge kernel launches while the attention kernel runs
         # (Hopper and later; elsewhere left out of the launch). On an H100 it took 1 to
         # 1.6 us off a 1 x 4096 decode replayed as a graph (19.8 -> 18.2-18.8 us).
-        # ``merge_in_kernel``: the last split program of each request and KV head merges
-        # the splits (arrival counters from ``prepare``), so a split decode is one kernel.
         self.decode_launch: dict[str, int] = {
             "block_n": 64,
             "num_warps": 2,
             "num_stages": 3,
             "pdl": 1,
-            "merge_in_kernel": 1,
         }
         # One program per multiprocessor: wider K/V tiles keep more bytes in flight.
         self.decode_launch_one_wave: dict[str, int] = {
@@ -128,10 +121,7 @@ class TritonProvider(AttentionProvider):
             )
             programs = plan.num_reqs * plan.spec.num_kv_heads
             one_wave = num_kv_splits == 1 and programs <= _multiprocessor_count(plan.device)
-        counters = None
-        if num_kv_splits > 1 and self.decode_launch.get("merge_in_kernel", 0):
-            counters = split_counters(plan)
-        return TritonStepData(decode_tiles, num_kv_splits, one_wave, counters)
+        return TritonStepData(decode_tiles, num_kv_splits, one_wave)
 
     def write_kv(
         self,
@@ -207,7 +197,6 @@ class TritonProvider(AttentionProvider):
             logits_soft_cap=spec.logits_soft_cap,
             paged=paged,
             lse=lse,
-            split_counters=step.split_counters if decode_tiles else None,
         )
 
     def _launch_config(
@@ -232,32 +221,6 @@ class TritonProvider(AttentionProvider):
         by_occupancy = -(-self.target_waves * _multiprocessor_count(device) // programs)
         by_length = -(-max_seq_len // self.min_tokens_per_split)
         return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
-
-
-# Arrival counters of split decodes planned with fixed buffers, per buffers and KV-head
-# count: graphs captured with those buffers keep reading the same counters.
-_BUFFER_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def split_counters(plan: AttentionPlan) -> torch.Tensor:
-    """int32 zeros ``[>= num_reqs * kv_heads]`` on the plan's device for the arrival
-    counts of a split decode (the kernels leave them at 0).
-
-    Plans made with ``PlanBuffers`` share one array per buffers (allocated at the first
-    split decode, sized for their capacity): their launches run one after another, as
-    the buffers' step state does. Other plans get an array of their own.
-    """
-    kv_heads = plan.spec.num_kv_heads
-    if plan.buffers is None:
-        return torch.zeros(plan.num_reqs * kv_heads, dtype=torch.int32, device=plan.device)
-    per_heads = _BUFFER_COUNTERS.setdefault(plan.buffers, {})
-    counters = per_heads.get(kv_heads)
-    if counters is None:
-        capacity = plan.buffers.max_num_reqs * kv_heads
-        counters = per_heads[kv_heads] = torch.zeros(
-            capacity, dtype=torch.int32, device=plan.device
-        )
-    return counters
 
 
 @functools.lru_cache(maxsize=256)

@@ -14,8 +14,7 @@ each K/V tile is loaded once for all of them. Query token ``t`` of a request wit
 - Decode tiles (decode, spec decode): one program per request and KV head, and
   ``num_splits`` programs along the key axis; each split covers an equal share of
   the request's keys (read from ``seq_lens`` on the device) and writes a partial
-  output and its log-sum-exp, which a second kernel merges (or, given arrival
-  counters, the last split program of the request and KV head to finish).
+  output and its log-sum-exp, which a second kernel merges.
 
 With ``lse`` given, each real query row also gets its log-sum-exp (natural log; the
 kernels keep scores in log2 units and convert on the store); a row that sees no key
@@ -372,7 +371,6 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
-    split_counters_ptr,
     num_reqs,
     stride_qt,
     stride_qh,
@@ -419,7 +417,6 @@ def _paged_attention_kernel(
     OVERLAP_SCORES: tl.constexpr,
     PDL: tl.constexpr,
     WRITE_LSE: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr,
 ):
     if PDL:  # launched early: wait for the kernel before this one, let the next one start
         tl.extra.cuda.gdc_wait()
@@ -520,13 +517,6 @@ def _paged_attention_kernel(
         row = (token * NUM_HEADS + head) * num_splits + split
         tl.store(partial_lse_ptr + row, lse, mask=row_mask)
         tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], out, mask=out_mask)
-        if MERGE_IN_KERNEL:
-            _merge_if_last_split(
-                split_counters_ptr + req * tl.num_programs(1) + head_group,
-                row - split, row_mask, num_splits, partial_out_ptr, partial_lse_ptr,
-                out_ptr, lse_ptr, token, head, stride_ot, stride_oh, stride_od,
-                stride_lt, stride_lh, HEAD_SIZE, HEAD_PAD, BLOCK_M, WRITE_LSE,
-            )  # fmt: skip
     else:
         dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
         tl.store(dst + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -534,62 +524,6 @@ def _paged_attention_kernel(
             tl.store(
                 lse_ptr + token * stride_lt + head * stride_lh,
                 _row_lse_log2(m_i, l_i) * 0.6931471805599453,  # natural log: times ln(2)
-                mask=row_mask,
-            )
-
-
-@triton.jit
-def _merge_if_last_split(
-    counter_ptr, first_row, row_mask, num_splits, partial_out_ptr, partial_lse_ptr,
-    out_ptr, lse_ptr, token, head, stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-):  # fmt: skip
-    """The last split program of a (request, head group) to finish merges every split's
-    partial rows (``first_row`` ``[BLOCK_M]``: each row's split-0 partial row) into
-    ``out`` (and ``lse``), and puts the group's arrival counter back to 0.
-
-    The partials of the other splits were written by other programs: every thread's
-    stores reach the device before the counter moves (barrier, then a release-acquire
-    atomic), and the last program reads them past its L1 cache.
-    """
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-        offs_d = tl.arange(0, HEAD_PAD)
-        d_mask = offs_d < HEAD_SIZE
-        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-        for s in range(0, num_splits):
-            lse_s = tl.load(
-                partial_lse_ptr + first_row + s, mask=row_mask, other=float("-inf"),
-                cache_modifier=".cg",
-            )  # fmt: skip
-            out_s = tl.load(
-                partial_out_ptr + (first_row + s)[:, None] * HEAD_PAD + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg",
-            )  # fmt: skip
-            m_new = tl.maximum(m, lse_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            weight = tl.exp2(lse_s - m_safe)
-            total = total * alpha + weight
-            acc = acc * alpha[:, None] + out_s * weight[:, None]
-            m = m_new
-        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-        dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(
-            dst + offs_d[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_mask[:, None] & d_mask[None, :],
-        )
-        if WRITE_LSE:  # the splits' combined LSE; -inf where no split saw a key
-            merged = tl.where(total > 0.0, m + tl.log2(tl.where(total > 0.0, total, 1.0)), m)
-            tl.store(
-                lse_ptr + token * stride_lt + head * stride_lh,
-                merged * 0.6931471805599453,
                 mask=row_mask,
             )
 
@@ -667,7 +601,6 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     paged: bool = True,
     lse: torch.Tensor | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> None:
     """Attention of ``query`` ``[tokens, heads, head_size]`` into ``out`` (same shape).
 
@@ -684,11 +617,6 @@ def paged_attention(
         lse: optional float32 ``[>= cu_seqlens_q[-1], heads]`` (any strides): each real
             row's natural-log log-sum-exp of its scaled (soft-capped) scores, ``-inf``
             for a row that sees no key. With splits, the merge writes the combined LSE.
-        split_counters: optional int32 zeros ``[>= num_reqs * kv_heads]`` on the device,
-            for split decodes only: the last split program of each request and KV head
-            merges the splits in the attention kernel (counting arrivals here and
-            leaving the counters at 0 again) instead of a second kernel. Launches that
-            may run at the same time need counters of their own.
 
     Rows of ``out`` (and ``lse``) past ``cu_seqlens_q[-1]`` are left untouched.
     """
@@ -727,9 +655,6 @@ def paged_attention(
         k_desc = _page_tile_descriptor(key_cache, config.block_n, head_pad)
         v_desc = _page_tile_descriptor(value_cache, config.block_n, head_pad)
     split = num_splits > 1
-    merge_in_kernel = split and split_counters is not None
-    if merge_in_kernel:
-        _check_split_counters(split_counters, num_reqs * head_groups, query.device)
     if split:
         partial_out = torch.empty(
             (num_tokens * num_heads * num_splits, head_pad),
@@ -757,7 +682,6 @@ def paged_attention(
         cu_seqlens_q,
         seq_lens,
         block_tables,
-        split_counters if merge_in_kernel else seq_lens,
         num_reqs,
         *query.stride(),
         *k_strides,
@@ -792,13 +716,12 @@ def paged_attention(
         WARP_SPECIALIZE=config.warp_specialize and _hopper_or_later(query.device),
         OVERLAP_SCORES=config.overlap_scores,
         PDL=use_pdl,
-        WRITE_LSE=write_lse and (merge_in_kernel or not split),
-        MERGE_IN_KERNEL=merge_in_kernel,
+        WRITE_LSE=write_lse and not split,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **_pdl_launch(use_pdl),
     )
-    if split and not merge_in_kernel:
+    if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out,
             partial_out,
@@ -818,16 +741,6 @@ def paged_attention(
             num_warps=4,
             **_pdl_launch(use_pdl),
         )
-
-
-def _check_split_counters(counters: torch.Tensor, needed: int, device: torch.device) -> None:
-    if counters.dtype != torch.int32 or counters.dim() != 1 or counters.shape[0] < needed:
-        raise ValueError(
-            f"split_counters must be int32 [>= {needed}] (requests x KV heads), got "
-            f"{counters.dtype} {tuple(counters.shape)}"
-        )
-    if counters.device != device:
-        raise ValueError(f"split_counters must be on {device}, got {counters.device}")
 
 
 def tma_supported(cache: torch.Tensor) -> bool:
