@@ -495,18 +495,19 @@ def test_gpu_forced_kv_splits(num_kv_splits: int) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(
-    ("num_reqs", "query_len", "expected"),
+    ("num_reqs", "query_len", "longest", "expected"),
     [  # on an H100 (132 multiprocessors), 8 KV heads: (splits > 1, one_wave)
-        (1, 1, (True, False)),  # split over the context, default tiles
-        (16, 1, (False, True)),  # 128 programs: one wave of wide tiles
-        (16, 4, (False, True)),  # spec decode, one wave
-        (24, 1, (False, False)),  # 192 programs: unsplit, default tiles
+        (1, 1, 3000, (True, False)),  # 24 splits x 8 programs: default tiles
+        (1, 1, 400, (True, True)),  # 4 splits x 8 programs: one wave of wide tiles
+        (16, 1, 3000, (False, True)),  # 128 programs: one wave of wide tiles
+        (16, 4, 3000, (False, True)),  # spec decode, one wave
+        (24, 1, 3000, (False, False)),  # 192 programs: unsplit, default tiles
     ],
 )
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_gpu_decode_launch_choices(
-    num_reqs: int, query_len: int, expected: tuple, head_size: int, block_size: int
+    num_reqs: int, query_len: int, longest: int, expected: tuple, head_size: int, block_size: int
 ) -> None:
     """Every decode launch the heuristics pick on this GPU, against the reference."""
     if torch.cuda.get_device_properties(0).multi_processor_count != 132:
@@ -515,7 +516,7 @@ def test_gpu_decode_launch_choices(
         32, 8, head_size, block_size=block_size, dtype=torch.bfloat16,
         num_speculative_tokens=query_len - 1,
     )  # fmt: skip
-    context = [3000] + [(97 * r) % 700 for r in range(1, num_reqs)]
+    context = [longest] + [(97 * r) % 700 for r in range(1, num_reqs)]
     batch = Batch(spec, [query_len] * num_reqs, context, num_decodes=num_reqs, pad_tokens=2)
     step = batch.plan.provider_data
     assert (step.num_kv_splits > 1, step.one_wave) == expected
