@@ -2,11 +2,13 @@
 # The GPU benchmarks (and optionally the `cuda` tests) in one command, for one lease of
 # the GPU machine. Each part runs under its own time limit so that one slow part cannot
 # take the others' results with it; logs and benchmarks/results/*.json end up in
-# DEST (default: $OUT, else benchmarks/results/suite) as at most 8 files.
+# DEST (default: $OUT, else benchmarks/results/suite) as at most 8 files (`tests` writes
+# one log per pytest process beside the mode's log).
 #
 #   bash benchmarks/gpu_suite.sh sweep   # launch sweeps: prefill --tune-hopper, decode --sweep,
 #                                        # plan host time, decoder step, MLA decode --tune
 #   bash benchmarks/gpu_suite.sh tests   # the `-m cuda` tests of npu-attention and npu-graphs
+#                                        # (four processes at once: 4 minutes on a fresh H100 machine)
 #   bash benchmarks/gpu_suite.sh final   # every benchmark at its defaults
 #
 # Each mode stays under 580 s (the parts' limits add up to that), inside one 10-minute
@@ -21,13 +23,13 @@ export PYTHONPATH=packages/npu-attention/src:packages/npu-graphs/src
 log="$dest/$mode.log"
 : >"$log"
 
-part() {  # part NAME SECONDS COMMAND...
-    local name=$1 seconds=$2
+part() {  # part NAME SECONDS COMMAND...; its output goes to $part_log (default: the mode's log)
+    local name=$1 seconds=$2 out=${part_log:-$log}
     shift 2
-    echo "=== $name ($(date -u +%T), limit ${seconds}s): $*" | tee -a "$log"
+    echo "=== $name ($(date -u +%T), limit ${seconds}s): $*" | tee -a "$out"
     local start=$SECONDS
-    timeout --kill-after=2 "$seconds" "$@" >>"$log" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - start))s" | tee -a "$log"
+    timeout --kill-after=2 "$seconds" "$@" >>"$out" 2>&1
+    echo "=== $name: exit $? after $((SECONDS - start))s" | tee -a "$out"
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv >>"$log" 2>&1
@@ -39,9 +41,23 @@ case $mode in
         part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
         part mla_decode 90 python benchmarks/bench_mla_decode.py --tune
         ;;
-    tests)
-        part tests 560 python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=15 \
-            packages/npu-attention/tests packages/npu-graphs/tests
+    tests)  # four pytest processes at once: compiling the Triton variants is the long part
+        attention=packages/npu-attention/tests
+        triton_rest="$attention/test_triton_tma.py $attention/test_triton_plan_run.py
+            $attention/test_triton_context_parallel.py"
+        pytest_cuda=(python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5)
+        part_log=$dest/tests_provider.log part tests_provider 560 "${pytest_cuda[@]}" \
+            "$attention/test_triton_provider.py" -k "not gpu_head_sizes" &
+        part_log=$dest/tests_head_sizes.log part tests_head_sizes 560 "${pytest_cuda[@]}" \
+            "$attention/test_triton_provider.py" -k gpu_head_sizes &
+        # shellcheck disable=SC2086 (lists of paths)
+        part_log=$dest/tests_triton_rest.log part tests_triton_rest 560 "${pytest_cuda[@]}" \
+            $triton_rest &
+        # shellcheck disable=SC2046,SC2086
+        part_log=$dest/tests_others.log part tests_others 560 "${pytest_cuda[@]}" \
+            "$attention" packages/npu-graphs/tests \
+            --ignore="$attention/test_triton_provider.py" $(printf -- '--ignore=%s ' $triton_rest) &
+        wait
         ;;
     final)
         part prefill 90 python benchmarks/bench_prefill_attention.py
