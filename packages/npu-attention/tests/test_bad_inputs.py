@@ -116,6 +116,7 @@ def test_unsupported_block_size(block_size: int) -> None:
         (dict(block_tables=[[1, 2]]), r"one row per request \(2\), got shape \(1, 2\)"),
         (dict(slot_mapping=[1, 2, 3]), r"cover the 4 query tokens .* got 3 slots"),
         (dict(seq_lens=[33, 3]), r"seq_lens\[0\]=33 exceeds its block table: 2 blocks x block_size 16 = 32"),
+        (dict(seq_lens=[2**31, 3]), r"seq_lens must fit in int32, got 2147483648"),
         (dict(num_blocks=2), r"block id must be in \[0, num_blocks=2\), got block_tables\[1, 0\]=2"),
         (dict(block_tables=[[-4, 2], [2, 0]]), r"got block_tables\[0, 0\]=-4"),
         (dict(slot_mapping=[25, 33, 34, 48]), r"slot must be < num_blocks \* block_size = 48, got 48"),
