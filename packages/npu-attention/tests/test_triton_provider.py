@@ -524,6 +524,31 @@ def test_gpu_decode_launch_choices(
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("prefetch_first", [0, 1])
+@pytest.mark.parametrize(
+    ("num_reqs", "num_kv_splits", "one_wave"), [(3, 1, True), (3, 4, False), (20, 1, False)]
+)
+def test_gpu_decode_prefetch_of_first_keys(
+    prefetch_first: int, num_reqs: int, num_kv_splits: int, one_wave: bool
+) -> None:
+    """Decode programs prefetch their first keys' K/V before they know their lengths:
+    with block tables narrower than a key tile and stale entries past each sequence
+    (negative, past the cache), the output still matches the reference."""
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    context = [(5 * r) % 15 for r in range(num_reqs)]  # one page each: tables 2 wide
+    batch = Batch(spec, [1] * num_reqs, context, num_decodes=num_reqs, pad_tokens=2)
+    assert batch.block_tables.shape[1] * spec.block_size < 128  # narrower than a tile
+    batch.block_tables[::2, 1] = -1
+    batch.block_tables[1::2, 1] = batch.key_cache.shape[0] + 1000
+    batch.plan.block_tables = batch.block_tables.to(batch.device)
+    provider = TritonProvider()
+    for name in ("decode_launch", "decode_launch_one_wave"):
+        setattr(provider, name, {**getattr(provider, name), "prefetch_first": prefetch_first})
+    batch.plan.provider_data = TritonStepData(True, num_kv_splits, one_wave)
+    assert_matches_reference(batch, batch.run(provider))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("num_kv_splits", [1, 2, 33])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_gpu_programmatic_dependent_launch(num_kv_splits: int, block_size: int) -> None:

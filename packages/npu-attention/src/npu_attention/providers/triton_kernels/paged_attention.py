@@ -54,6 +54,9 @@ class AttentionLaunchConfig:
     ``pdl_supported`` says no): each kernel of the launch may start while the kernel
     before it in the stream finishes, and waits for that kernel's memory before its
     first load; the merge of a split decode reads only its metadata before that wait.
+    ``prefetch_first``: each decode program (CUDA, no sliding window) asks the L2 for the
+    K/V rows of its first ``block_n`` keys as it starts, while its lengths are still on
+    their way, instead of after them.
     """
 
     block_m: int
@@ -66,6 +69,7 @@ class AttentionLaunchConfig:
     warp_specialize: bool = False
     overlap_scores: bool = False
     pdl: bool = False
+    prefetch_first: bool = False
 
 
 @triton.jit
@@ -353,6 +357,36 @@ def _attend_full_tiles_overlapped(
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask the L2 for the 128-byte lines at ``ptrs`` (a hint: nothing waits for it)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _prefetch_first_keys(
+    k_ptr, v_ptr, block_table_row, table_width, num_cache_blocks, kv_head,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+):  # fmt: skip
+    """Prefetch the K/V rows of keys ``[0, BLOCK_N)`` of one request and KV head into
+    the L2 without knowing its length: pages past the table row are left out and
+    stale page ids are clamped into the cache, so every address is in bounds."""
+    offs_n = tl.arange(0, BLOCK_N)
+    entry = offs_n // BLOCK_SIZE
+    pages = tl.load(block_table_row + entry, mask=entry < table_width, other=0)
+    pages = tl.minimum(tl.maximum(pages, 0), num_cache_blocks - 1).to(tl.int64)
+    row_in_page = offs_n % BLOCK_SIZE
+    lines = tl.arange(0, (HEAD_PAD + LINE_ELEMS - 1) // LINE_ELEMS) * LINE_ELEMS
+    k_rows = pages * stride_kb + row_in_page * stride_kt + kv_head.to(tl.int64) * stride_kh
+    v_rows = pages * stride_vb + row_in_page * stride_vt + kv_head.to(tl.int64) * stride_vh
+    _prefetch_l2(k_ptr + k_rows[:, None] + lines[None, :])
+    _prefetch_l2(v_ptr + v_rows[:, None] + lines[None, :])
+
+
+@triton.jit
 def _row_lse_log2(m_i, l_i):
     """Each row's log-sum-exp in log2 units (``m_i`` is; ``l_i`` sums exp2 of the scores
     less ``m_i``); ``-inf`` where the row saw no key (``l_i == 0``)."""
@@ -372,6 +406,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     num_reqs,
+    table_width,
+    num_cache_blocks,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -417,6 +453,8 @@ def _paged_attention_kernel(
     OVERLAP_SCORES: tl.constexpr,
     PDL: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PREFETCH_FIRST: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
 ):
     if PDL:  # launched early: wait for the kernel before this one, let the next one start
         tl.extra.cuda.gdc_wait()
@@ -437,6 +475,13 @@ def _paged_attention_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + req)
     q_end = tl.load(cu_seqlens_q_ptr + req + 1)
     seq_len = tl.load(seq_lens_ptr + req)
+    if PREFETCH_FIRST:  # noqa: SIM102 (constexpr branch); decode tiles, no window
+        if split == 0:
+            _prefetch_first_keys(
+                k_ptr, v_ptr, block_tables_ptr + req.to(tl.int64) * stride_bt, table_width,
+                num_cache_blocks, kv_head, stride_kb, stride_kt, stride_kh,
+                stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, HEAD_PAD, LINE_ELEMS,
+            )  # fmt: skip
     q_len = q_end - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
@@ -667,6 +712,9 @@ def paged_attention(
     else:
         partial_out = partial_lse = out
     use_pdl = config.pdl and pdl_supported(query.device)
+    # PTX, so CUDA only; with a sliding window the first keys are not at position 0.
+    prefetch_first = config.prefetch_first and query.device.type == "cuda"
+    prefetch_first = prefetch_first and decode_tiles and paged and sliding_window is None
     write_lse = lse is not None
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     use_soft_cap = logits_soft_cap is not None
@@ -683,6 +731,8 @@ def paged_attention(
         seq_lens,
         block_tables,
         num_reqs,
+        block_tables.shape[1] if paged else 0,
+        key_cache.shape[0] if paged else 0,
         *query.stride(),
         *k_strides,
         *v_strides,
@@ -717,6 +767,8 @@ def paged_attention(
         OVERLAP_SCORES=config.overlap_scores,
         PDL=use_pdl,
         WRITE_LSE=write_lse and not split,
+        PREFETCH_FIRST=prefetch_first,
+        LINE_ELEMS=128 // key_cache.element_size(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **_pdl_launch(use_pdl),
