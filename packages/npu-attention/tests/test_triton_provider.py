@@ -524,12 +524,12 @@ def test_gpu_decode_launch_choices(
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("prefetch_first", [0, 1])
+@pytest.mark.parametrize("prefetch_tiles", [0, 1, 4])
 @pytest.mark.parametrize(
     ("num_reqs", "num_kv_splits", "one_wave"), [(3, 1, True), (3, 4, False), (20, 1, False)]
 )
 def test_gpu_decode_prefetch_of_first_keys(
-    prefetch_first: int, num_reqs: int, num_kv_splits: int, one_wave: bool
+    prefetch_tiles: int, num_reqs: int, num_kv_splits: int, one_wave: bool
 ) -> None:
     """Decode programs prefetch their first keys' K/V before they know their lengths:
     with block tables narrower than a key tile and stale entries past each sequence
@@ -543,7 +543,7 @@ def test_gpu_decode_prefetch_of_first_keys(
     batch.plan.block_tables = batch.block_tables.to(batch.device)
     provider = TritonProvider()
     for name in ("decode_launch", "decode_launch_one_wave"):
-        setattr(provider, name, {**getattr(provider, name), "prefetch_first": prefetch_first})
+        setattr(provider, name, {**getattr(provider, name), "prefetch_tiles": prefetch_tiles})
     batch.plan.provider_data = TritonStepData(True, num_kv_splits, one_wave)
     assert_matches_reference(batch, batch.run(provider))
 

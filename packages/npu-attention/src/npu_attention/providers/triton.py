@@ -72,15 +72,17 @@ class TritonProvider(AttentionProvider):
         # ``pdl``: a split decode's merge kernel launches while the attention kernel runs
         # (Hopper and later; elsewhere left out of the launch). On an H100 it took 1 to
         # 1.6 us off a 1 x 4096 decode replayed as a graph (19.8 -> 18.2-18.8 us).
-        # ``prefetch_first``: on an H100 it took 0.3-0.8 us off graph replays of small
+        # ``prefetch_tiles``: on an H100 it took 0.3-0.8 us off graph replays of small
         # decodes (1 x 4096: 18.9 -> 18.3 us, 16 x 512: 24.7 -> 24.4, 1 x 512: 11.5 -> 11.1;
-        # block 128) and left large ones unchanged (64 x 4096: 368 us either way).
+        # block 128) and left large ones unchanged (64 x 4096: 368 us either way). Two or
+        # four tiles did no better on small decodes and cost more on large ones (64 x 512:
+        # 62.4 us with one tile, 64.3 with two, 68.5 with four).
         self.decode_launch: dict[str, int] = {
             "block_n": 64,
             "num_warps": 2,
             "num_stages": 3,
             "pdl": 1,
-            "prefetch_first": 1,
+            "prefetch_tiles": 1,
         }
         # At most one program per multiprocessor (splits included): wider K/V tiles keep
         # more bytes in flight. On an H100 (graph replay, L2 cleared), split decodes of
@@ -92,7 +94,7 @@ class TritonProvider(AttentionProvider):
             "num_warps": 4,
             "num_stages": 3,
             "pdl": 1,
-            "prefetch_first": 1,
+            "prefetch_tiles": 1,
         }
         self.prefill_launch: dict[str, int] = {
             "block_m": 128,
@@ -276,7 +278,7 @@ def _launch_config(
         warp_specialize=bool(params.get("warp_specialize", 0)),
         overlap_scores=bool(params.get("overlap_scores", 0)),
         pdl=bool(params.get("pdl", 0)),
-        prefetch_first=bool(params.get("prefetch_first", 0)),
+        prefetch_tiles=int(params.get("prefetch_tiles", 0)),
     )
 
 

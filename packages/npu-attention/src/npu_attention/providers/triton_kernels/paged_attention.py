@@ -54,9 +54,9 @@ class AttentionLaunchConfig:
     ``pdl_supported`` says no): each kernel of the launch may start while the kernel
     before it in the stream finishes, and waits for that kernel's memory before its
     first load; the merge of a split decode reads only its metadata before that wait.
-    ``prefetch_first``: each decode program (CUDA, no sliding window) asks the L2 for the
-    K/V rows of its first ``block_n`` keys as it starts, while its lengths are still on
-    their way, instead of after them.
+    ``prefetch_tiles``: each decode program (CUDA, no sliding window) asks the L2 for the
+    K/V rows of its first ``prefetch_tiles * block_n`` keys (rounded up to a power of
+    two) as it starts, while its lengths are still on their way, instead of after them.
     """
 
     block_m: int
@@ -69,7 +69,7 @@ class AttentionLaunchConfig:
     warp_specialize: bool = False
     overlap_scores: bool = False
     pdl: bool = False
-    prefetch_first: bool = False
+    prefetch_tiles: int = 0
 
 
 @triton.jit
@@ -368,13 +368,13 @@ def _prefetch_l2(ptrs):
 def _prefetch_first_keys(
     k_ptr, v_ptr, block_table_row, table_width, num_cache_blocks, kv_head,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PREFETCH_KEYS: tl.constexpr, HEAD_PAD: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """Prefetch the K/V rows of keys ``[0, BLOCK_N)`` of one request and KV head into
+    """Prefetch the K/V rows of keys ``[0, PREFETCH_KEYS)`` of one request and KV head into
     the L2 without knowing its length: pages past the table row are left out and
     stale page ids are clamped into the cache, so every address is in bounds."""
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, PREFETCH_KEYS)
     entry = offs_n // BLOCK_SIZE
     pages = tl.load(block_table_row + entry, mask=entry < table_width, other=0)
     pages = tl.minimum(tl.maximum(pages, 0), num_cache_blocks - 1).to(tl.int64)
@@ -453,7 +453,7 @@ def _paged_attention_kernel(
     OVERLAP_SCORES: tl.constexpr,
     PDL: tl.constexpr,
     WRITE_LSE: tl.constexpr,
-    PREFETCH_FIRST: tl.constexpr,
+    PREFETCH_KEYS: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
 ):
     if PDL:  # launched early: wait for the kernel before this one, let the next one start
@@ -475,12 +475,12 @@ def _paged_attention_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + req)
     q_end = tl.load(cu_seqlens_q_ptr + req + 1)
     seq_len = tl.load(seq_lens_ptr + req)
-    if PREFETCH_FIRST:  # noqa: SIM102 (constexpr branch); decode tiles, no window
+    if PREFETCH_KEYS > 0:  # noqa: SIM102 (constexpr branch); decode tiles, no window
         if split == 0:
             _prefetch_first_keys(
                 k_ptr, v_ptr, block_tables_ptr + req.to(tl.int64) * stride_bt, table_width,
                 num_cache_blocks, kv_head, stride_kb, stride_kt, stride_kh,
-                stride_vb, stride_vt, stride_vh, BLOCK_SIZE, BLOCK_N, HEAD_PAD, LINE_ELEMS,
+                stride_vb, stride_vt, stride_vh, BLOCK_SIZE, PREFETCH_KEYS, HEAD_PAD, LINE_ELEMS,
             )  # fmt: skip
     q_len = q_end - q_start
     if q_tile * BLOCK_Q >= q_len:
@@ -713,8 +713,9 @@ def paged_attention(
         partial_out = partial_lse = out
     use_pdl = config.pdl and pdl_supported(query.device)
     # PTX, so CUDA only; with a sliding window the first keys are not at position 0.
-    prefetch_first = config.prefetch_first and query.device.type == "cuda"
-    prefetch_first = prefetch_first and decode_tiles and paged and sliding_window is None
+    prefetch = config.prefetch_tiles > 0 and query.device.type == "cuda"
+    prefetch = prefetch and decode_tiles and paged and sliding_window is None
+    prefetch_keys = next_power_of_2(config.prefetch_tiles * config.block_n) if prefetch else 0
     write_lse = lse is not None
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     use_soft_cap = logits_soft_cap is not None
@@ -767,7 +768,7 @@ def paged_attention(
         OVERLAP_SCORES=config.overlap_scores,
         PDL=use_pdl,
         WRITE_LSE=write_lse and not split,
-        PREFETCH_FIRST=prefetch_first,
+        PREFETCH_KEYS=prefetch_keys,
         LINE_ELEMS=128 // key_cache.element_size(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
