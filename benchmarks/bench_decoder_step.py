@@ -10,8 +10,10 @@ runs the model, graph mode calls ``TaskRegistry.update`` (copies the plan's devi
 tensors into the graph's fixed buffers) and replays. Reported per batch size:
 - step time: wall time per step over a run of steps (host and device together);
 - replay time: device time of one graph replay (CUDA events);
-- host time of ``plan`` and of ``update`` per step (``plan_us`` inside the step loop,
-  where waiting for the device shows up too; ``idle_plan_us`` with the device idle);
+- host time per step of the benchmark's own inputs (``inputs_us``: positions and slots,
+  a pinned copy and five small kernels), of ``plan`` alone and of ``update``
+  (``plan_us`` inside the step loop, where waiting for the device shows up too;
+  ``idle_plan_us`` with the device idle);
 - the memory-bound floor: bytes of weights and K/V read per step / copy bandwidth
   measured in the same run;
 - ``proj_only_ms``: device time of a graph of the step's weight projections alone
@@ -64,17 +66,21 @@ class DecodeSteps:
 
     def make_step(self, batch: int, step_index: int) -> AttentionPlan:
         """Fill the position buffer and plan one decode step of ``batch`` requests."""
+        return self.plan_step(self.step_inputs(batch, step_index))
+
+    def step_inputs(self, batch: int, step_index: int) -> tuple[Any, ...]:
+        """Fill the position buffer; return ``plan``'s inputs (what a model runner has
+        ready before it plans: host lengths, device block tables and slots)."""
         seq_lens = self.seq_lens(batch, step_index)
         positions = torch.from_numpy(seq_lens - 1).pin_memory()
         self.positions[:batch].copy_(positions, non_blocking=True)
         pos, tables = self.positions[:batch], self.block_tables[:batch]
         bs = self.model.config.block_size
         slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
-        cu_seqlens_q = np.arange(batch + 1)
-        return plan(
-            cu_seqlens_q, seq_lens, tables, slots, batch, self.model.spec,
-            device=self.model.device, provider="triton",
-        )  # fmt: skip
+        return np.arange(batch + 1), seq_lens, tables, slots, batch
+
+    def plan_step(self, inputs: tuple[Any, ...]) -> AttentionPlan:
+        return plan(*inputs, self.model.spec, device=self.model.device, provider="triton")
 
     def inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hidden[:batch], self.positions[:batch]
@@ -115,17 +121,19 @@ def measure_graph(
     for i in range(3):
         graph_step(wrapper, registry, steps, batch, steps.make_step(batch, i))
     torch.cuda.synchronize()
-    plan_s = update_s = 0.0
+    inputs_s = plan_s = update_s = 0.0
     start = time.perf_counter()
     for i in range(num_steps):
         t0 = time.perf_counter()
-        step = steps.make_step(batch, i)
+        inputs = steps.step_inputs(batch, i)
         t1 = time.perf_counter()
-        registry.update(batch, step, changed=True)
+        step = steps.plan_step(inputs)
         t2 = time.perf_counter()
+        registry.update(batch, step, changed=True)
+        t3 = time.perf_counter()
         with graph_dispatch(RuntimeMode.FULL, key=batch):
             wrapper(*steps.inputs(batch), step)
-        plan_s, update_s = plan_s + t1 - t0, update_s + t2 - t1
+        inputs_s, plan_s, update_s = inputs_s + t1 - t0, plan_s + t2 - t1, update_s + t3 - t2
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) * 1e3 / num_steps
     replays = []
@@ -138,14 +146,16 @@ def measure_graph(
         replays.append(begin.elapsed_time(end))
     idle_plan_s = 0.0  # plan's own host cost, with nothing queued on the device to wait for
     for i in range(num_steps):
+        inputs = steps.step_inputs(batch, i)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        steps.make_step(batch, i)
+        steps.plan_step(inputs)
         idle_plan_s += time.perf_counter() - t0
     return {
         "graph_step_ms": step_ms,
         "idle_plan_host_us": idle_plan_s * 1e6 / num_steps,
         "replay_ms": float(np.median(replays)),
+        "inputs_host_us": inputs_s * 1e6 / num_steps,
         "plan_host_us": plan_s * 1e6 / num_steps,
         "update_host_us": update_s * 1e6 / num_steps,
     }
@@ -276,6 +286,7 @@ def main() -> None:
             "replay/floor": graph["replay_ms"] / floor_ms,
             "proj_only_ms": projections_ms,
             "step/floor": graph["graph_step_ms"] / floor_ms,
+            "inputs_us": graph["inputs_host_us"],
             "plan_us": graph["plan_host_us"],
             "idle_plan_us": graph["idle_plan_host_us"],
             "update_us": graph["update_host_us"],
