@@ -366,24 +366,25 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _prefetch_first_keys(
-    k_ptr, v_ptr, block_table_row, table_width, num_cache_blocks, kv_head,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    k_base, v_base, block_table_row, table_width, num_cache_blocks,
+    stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr, PREFETCH_KEYS: tl.constexpr, HEAD_PAD: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
 ):  # fmt: skip
-    """Prefetch the K/V rows of keys ``[0, PREFETCH_KEYS)`` of one request and KV head into
-    the L2 without knowing its length: pages past the table row are left out and
-    stale page ids are clamped into the cache, so every address is in bounds."""
+    """Prefetch the K/V rows of keys ``[0, PREFETCH_KEYS)`` of one request into the L2
+    (``k_base``/``v_base``: the caches at its KV head) without knowing its length: pages
+    past the table row are left out and stale page ids are clamped into the cache, so
+    every address is in bounds."""
     offs_n = tl.arange(0, PREFETCH_KEYS)
     entry = offs_n // BLOCK_SIZE
     pages = tl.load(block_table_row + entry, mask=entry < table_width, other=0)
     pages = tl.minimum(tl.maximum(pages, 0), num_cache_blocks - 1).to(tl.int64)
     row_in_page = offs_n % BLOCK_SIZE
     lines = tl.arange(0, (HEAD_PAD + LINE_ELEMS - 1) // LINE_ELEMS) * LINE_ELEMS
-    k_rows = pages * stride_kb + row_in_page * stride_kt + kv_head.to(tl.int64) * stride_kh
-    v_rows = pages * stride_vb + row_in_page * stride_vt + kv_head.to(tl.int64) * stride_vh
-    _prefetch_l2(k_ptr + k_rows[:, None] + lines[None, :])
-    _prefetch_l2(v_ptr + v_rows[:, None] + lines[None, :])
+    k_rows = pages * stride_kb + row_in_page * stride_kt
+    v_rows = pages * stride_vb + row_in_page * stride_vt
+    _prefetch_l2(k_base + k_rows[:, None] + lines[None, :])
+    _prefetch_l2(v_base + v_rows[:, None] + lines[None, :])
 
 
 @triton.jit
@@ -475,12 +476,15 @@ def _paged_attention_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + req)
     q_end = tl.load(cu_seqlens_q_ptr + req + 1)
     seq_len = tl.load(seq_lens_ptr + req)
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     if PREFETCH_KEYS > 0:  # noqa: SIM102 (constexpr branch); decode tiles, no window
         if split == 0:
             _prefetch_first_keys(
-                k_ptr, v_ptr, block_tables_ptr + req.to(tl.int64) * stride_bt, table_width,
-                num_cache_blocks, kv_head, stride_kb, stride_kt, stride_kh,
-                stride_vb, stride_vt, stride_vh, BLOCK_SIZE, PREFETCH_KEYS, HEAD_PAD, LINE_ELEMS,
+                k_base, v_base, block_table_row, table_width, num_cache_blocks,
+                stride_kb, stride_kt, stride_vb, stride_vt,
+                BLOCK_SIZE, PREFETCH_KEYS, HEAD_PAD, LINE_ELEMS,
             )  # fmt: skip
     q_len = q_end - q_start
     if q_tile * BLOCK_Q >= q_len:
@@ -525,9 +529,6 @@ def _paged_attention_kernel(
         full_hi = tl.minimum(full_hi, kv_hi)
     full_hi = tl.maximum(kv_lo, kv_lo + ((full_hi - kv_lo) // BLOCK_N) * BLOCK_N)
 
-    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
-    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
-    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
