@@ -4,8 +4,11 @@ Problems (32 query / 8 KV heads, head size 128, bf16, causal):
 - ``prefill``: 8 requests x 2048 new tokens, no cached context;
 - ``chunk_after_prefix``: one 512-token chunk after a 4096-token cached prefix
   (bottom-right causal: query ``i`` sees keys ``<= 4096 + i``).
-The triton provider reads every key from a paged cache (permuted pages); SDPA
-(``enable_gqa=True``) reads contiguous ``[batch, kv_heads, seq, head_size]`` K/V.
+The triton provider is called as ``npu_attention.run`` calls it, with the step's own
+K/V rows beside the paged cache (permuted pages): a prefill without cached context reads
+its keys from those rows (``triton``), a chunk after a prefix reads every key from the
+pages. ``pages`` is the same call without the rows: every key gathered from the pages.
+SDPA (``enable_gqa=True``) reads contiguous ``[batch, kv_heads, seq, head_size]`` K/V.
 FLOPs count only the (query, key) pairs the causal mask keeps, 4 * head_size per
 pair and head, for both. Peers from the same run: SDPA with torch's own backend
 choice (``default``), and restricted to cuDNN (``cudnn``) and FlashAttention-2
@@ -77,7 +80,9 @@ class PrefillProblem:
                 return runner
         return None
 
-    def paged_runner(self, provider: TritonProvider, block_size: int):
+    def paged_runner(self, provider: TritonProvider, block_size: int, own_keys: bool = False):
+        """``provider.attend`` over a paged cache; with ``own_keys``, also given the new
+        tokens' K/V rows (``[tokens, kv_heads, head_size]``), as ``run`` gives them."""
         spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE)
         pages = -(-self.seq_len // block_size)
         block_tables = permuted_block_tables(self.batch, pages, self.generator, self.key.device)
@@ -91,9 +96,14 @@ class PrefillProblem:
         )  # fmt: skip
         query = self.query.transpose(1, 2).reshape(-1, HEADS, HEAD_SIZE).contiguous()
         out = torch.empty_like(query)
+        new_rows = {}
+        if own_keys:
+            for name, dense in (("key", self.key), ("value", self.value)):
+                new = dense[:, :, self.seq_len - self.query_len :].transpose(1, 2)
+                new_rows[name] = new.reshape(-1, KV_HEADS, HEAD_SIZE).contiguous()
 
         def run() -> torch.Tensor:
-            provider.attend(query, key_cache, value_cache, plan, out)
+            provider.attend(query, key_cache, value_cache, plan, out, **new_rows)
             return out
 
         return run
@@ -102,8 +112,10 @@ class PrefillProblem:
         return out.view(self.batch, self.query_len, HEADS, HEAD_SIZE).transpose(1, 2)
 
 
-def measure(problem: PrefillProblem, provider: TritonProvider, block_size: int) -> dict[str, Any]:
-    run = problem.paged_runner(provider, block_size)
+def measure(
+    problem: PrefillProblem, provider: TritonProvider, block_size: int, own_keys: bool = False
+) -> dict[str, Any]:
+    run = problem.paged_runner(provider, block_size, own_keys)
     expected = problem.sdpa_runner()().float()
     error = (problem.as_sdpa_layout(run()).float() - expected).abs().max().item()
     ms = _timing.median_ms(run)
@@ -222,19 +234,21 @@ def main() -> None:
             peers[backend] = _timing.median_ms(runner) if runner is not None else None
         best = min(ms for ms in peers.values() if ms is not None)
         for block_size in (128, 16):
-            result = measure(problem, provider, block_size)
+            result = measure(problem, provider, block_size, own_keys=True)
+            pages = measure(problem, provider, block_size)
             row = {
                 "problem": name,
                 "block": block_size,
                 "triton_ms": result["ms"],
                 "triton_TFLOP/s": result["tflops"],
+                "pages_TFLOP/s": pages["tflops"],
             }
             for backend, ms in peers.items():
                 tflops = problem.flops / (ms * 1e-3) / 1e12 if ms is not None else None
                 row[f"{backend}_TFLOP/s"] = tflops if tflops is not None else "n/a"
                 row[f"vs_{backend}"] = ms / result["ms"] if ms is not None else "n/a"
             row["vs_best_sdpa"] = best / result["ms"]
-            row["max_err"] = result["max_abs_err"]
+            row["max_err"] = max(result["max_abs_err"], pages["max_abs_err"])
             rows.append(row)
         del problem
         torch.cuda.empty_cache()

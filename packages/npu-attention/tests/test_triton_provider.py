@@ -308,6 +308,32 @@ def test_encoder_attention_without_cache_reads_key_value() -> None:
     assert_matches_reference(batch, out)
 
 
+def attend_with_own_rows(batch: Batch) -> torch.Tensor:
+    """``attend`` as ``run`` calls it: the caches and the step's own key/value rows. The
+    caches are not written here, so pages of the new tokens still hold NaN."""
+    out = torch.full_like(batch.query, float("nan"))
+    batch.plan.provider.attend(
+        batch.query, batch.key_cache, batch.value_cache, batch.plan, out, batch.key, batch.value
+    )
+    return out
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_prefill_without_context_reads_its_own_key_value_rows(block_size: int) -> None:
+    batch = Batch(small_spec(block_size=block_size), [5, 17, 1], [0, 0, 0], pad_tokens=2)
+    assert batch.plan.state is BatchState.PREFILL_NO_CACHE
+    assert_matches_reference(batch, attend_with_own_rows(batch))
+
+
+def test_prefill_after_cached_context_reads_the_pages() -> None:
+    batch = Batch(small_spec(), [5, 17], [9, 0], pad_tokens=2)
+    assert batch.plan.state is BatchState.PREFILL_CACHE_HIT
+    assert attend_with_own_rows(batch)[: batch.plan.num_actual_tokens].isnan().any(), (
+        "unwritten pages of the new tokens must reach the output when context is cached"
+    )
+    assert_matches_reference(batch, batch.run())
+
+
 def test_prepare_chooses_decode_tiles_only_for_decode_states() -> None:
     decode = Batch(small_spec(), [1, 1], [5, 5], num_decodes=2)
     mixed = Batch(small_spec(), [1, 4], [5, 5], num_decodes=1)
@@ -440,6 +466,25 @@ def test_gpu_states_match_dense_reference(state: str, dtype: torch.dtype, block_
     )
     batch = Batch(spec, query_lens, context_lens, num_decodes=num_decodes, pad_tokens=3)
     assert_matches_reference(batch, batch.run())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "features",
+    [{}, {"sliding_window": 100}, {"logits_soft_cap": 30.0}, {"causal": False}],
+    ids=["causal", "window", "soft_cap", "non_causal"],
+)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_gpu_prefill_reads_own_key_value_rows(
+    dtype: torch.dtype, features: dict, head_size: int
+) -> None:
+    """A prefill without cached context reads its keys from the step's rows, with the
+    launch of contiguous keys at any block size (pages never written: NaN)."""
+    spec = AttentionSpec(32, 8, head_size, block_size=16, dtype=dtype, **features)
+    query_lens, context_lens, _ = GPU_STATES["prefill_no_cache"]
+    batch = Batch(spec, query_lens, context_lens, pad_tokens=3)
+    assert_matches_reference(batch, attend_with_own_rows(batch))
 
 
 @pytest.mark.cuda

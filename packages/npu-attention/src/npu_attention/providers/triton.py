@@ -5,6 +5,10 @@ decode batches, the number of KV splits; ``write_kv`` and ``attend`` (once per
 layer) only launch kernels. Every step argument is read on the device from the
 plan's tensors and grids depend only on tensor shapes, so both are safe to capture
 in a device graph: replays see whatever the plan's fixed buffers hold.
+
+A prefill without cached context (``PREFILL_NO_CACHE``) given its own ``key``/``value``
+rows, as ``npu_attention.run`` gives them, reads its keys from those rows with the
+prefill tiles of contiguous keys; every other batch reads keys from the pages.
 """
 
 from __future__ import annotations
@@ -185,8 +189,10 @@ class TritonProvider(AttentionProvider):
         paged = key_cache is not None or value_cache is not None
         if paged:
             _check_caches(key_cache, value_cache, spec, query.device)
+        if paged and not _reads_own_keys(plan, key, value):
             k, v, block_tables = key_cache, value_cache, plan.block_tables
         else:
+            paged = False
             if key is None or value is None:
                 raise ValueError("attend needs key_cache/value_cache or key/value, got neither")
             for label, tensor in (("key", key), ("value", value)):
@@ -201,7 +207,9 @@ class TritonProvider(AttentionProvider):
             plan.cu_seqlens_q,
             plan.seq_lens,
             block_tables,
-            config=self._launch_config(spec, decode_tiles, step.num_kv_splits, step.one_wave),
+            config=self._launch_config(
+                spec, decode_tiles, step.num_kv_splits, step.one_wave, paged
+            ),
             decode_tiles=decode_tiles,
             scale=spec.softmax_scale,
             causal=spec.causal,
@@ -212,11 +220,16 @@ class TritonProvider(AttentionProvider):
         )
 
     def _launch_config(
-        self, spec: AttentionSpec, decode_tiles: bool, num_kv_splits: int, one_wave: bool = False
+        self,
+        spec: AttentionSpec,
+        decode_tiles: bool,
+        num_kv_splits: int,
+        one_wave: bool = False,
+        paged: bool = True,
     ) -> AttentionLaunchConfig:
         if not decode_tiles:
             launch = self.prefill_launch
-            if spec.block_size % launch["block_n"]:
+            if paged and spec.block_size % launch["block_n"]:
                 launch = self.prefill_launch_small_pages
         elif one_wave:
             launch = self.decode_launch_one_wave
@@ -233,6 +246,15 @@ class TritonProvider(AttentionProvider):
         by_occupancy = -(-self.target_waves * _multiprocessor_count(device) // programs)
         by_length = -(-max_seq_len // self.min_tokens_per_split)
         return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
+
+
+def _reads_own_keys(
+    plan: AttentionPlan, key: torch.Tensor | None, value: torch.Tensor | None
+) -> bool:
+    """Whether the step's own ``key``/``value`` rows hold every key it attends to: a
+    prefill without cached context. Its keys are then read from those contiguous rows
+    rather than gathered back from the pages they were just written to."""
+    return key is not None and value is not None and plan.state is BatchState.PREFILL_NO_CACHE
 
 
 @functools.lru_cache(maxsize=256)
