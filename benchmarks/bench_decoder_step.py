@@ -10,10 +10,12 @@ runs the model, graph mode calls ``TaskRegistry.update`` (copies the plan's devi
 tensors into the graph's fixed buffers) and replays. Reported per batch size:
 - step time: wall time per step over a run of steps (host and device together);
 - replay time: device time of one graph replay (CUDA events);
-- host time per step of the benchmark's own inputs (``inputs_us``: positions and slots,
-  a pinned copy and five small kernels), of ``plan`` alone and of ``update``
-  (``plan_us`` inside the step loop, where waiting for the device shows up too;
-  ``idle_plan_us`` with the device idle);
+- host time per step of the benchmark's own inputs (``inputs_us``: the lengths uploaded
+  in one pinned copy, as a model runner does, then positions and slots from them in
+  small kernels), of ``plan`` alone and of ``update`` (``plan_us`` inside the step
+  loop, where waiting for the device shows up too; ``idle_plan_us`` with the device
+  idle; ``plan`` takes the uploaded lengths as ``device_lengths``, and
+  ``idle_plan_upload_us`` is the same call uploading the host lengths itself);
 - the memory-bound floor: bytes of weights and K/V read per step / copy bandwidth
   measured in the same run;
 - ``proj_only_ms``: device time of a graph of the step's weight projections alone
@@ -43,6 +45,9 @@ from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
 BATCHES = (1, 8, 32, 128)
 PLAN_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT = 1024
+# plan uploading the host lengths itself, the same into fixed buffers, and with the
+# lengths already on the device (as a model runner keeps them)
+PLAN_LABELS = ("plan_us", "plan_buffers_us", "plan_device_lens_us")
 
 
 class DecodeSteps:
@@ -56,6 +61,10 @@ class DecodeSteps:
         self.block_tables = (order + 1).view(max_batch, self.width).to(torch.int32).to(device)
         self.hidden = torch.randn(max_batch, c.hidden_size, dtype=c.dtype, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        # The lengths on the device, as a model runner keeps them: cu_seqlens_q | seq_lens,
+        # each at a fixed address whatever the batch (plan takes views of them).
+        self.lengths = torch.zeros(2 * max_batch + 1, dtype=torch.int32, device=device)
+        self.lengths_on_device = True
 
     @staticmethod
     def num_blocks(max_batch: int, context: int, block_size: int) -> int:
@@ -69,18 +78,38 @@ class DecodeSteps:
         return self.plan_step(self.step_inputs(batch, step_index))
 
     def step_inputs(self, batch: int, step_index: int) -> tuple[Any, ...]:
-        """Fill the position buffer; return ``plan``'s inputs (what a model runner has
-        ready before it plans: host lengths, device block tables and slots)."""
-        seq_lens = self.seq_lens(batch, step_index)
-        positions = torch.from_numpy(seq_lens - 1).pin_memory()
-        self.positions[:batch].copy_(positions, non_blocking=True)
+        """Upload the step's lengths (one pinned copy), fill the position buffer from
+        them; return ``plan``'s inputs (what a model runner has ready before it plans:
+        host lengths, device block tables and slots, device lengths)."""
+        seq_lens, cu_seqlens_q = self.seq_lens(batch, step_index), np.arange(batch + 1)
+        cu_dev, seq_dev = self.upload_lengths(cu_seqlens_q, seq_lens)
+        torch.sub(seq_dev, 1, out=self.positions[:batch])
         pos, tables = self.positions[:batch], self.block_tables[:batch]
         bs = self.model.config.block_size
         slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
-        return np.arange(batch + 1), seq_lens, tables, slots, batch
+        return cu_seqlens_q, seq_lens, tables, slots, batch, (cu_dev, seq_dev)
+
+    def upload_lengths(
+        self, cu_seqlens_q: np.ndarray, seq_lens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the lengths into ``self.lengths`` (past the batch: the last offset
+        repeated, length 0); return the views ``(cu_seqlens_q, seq_lens)``."""
+        batch, cap = len(seq_lens), self.block_tables.shape[0]
+        staged = torch.empty(2 * cap + 1, dtype=torch.int32, pin_memory=True)
+        packed = staged.numpy()
+        packed[: batch + 1], packed[batch + 1 : cap + 1] = cu_seqlens_q, cu_seqlens_q[-1]
+        packed[cap + 1 : cap + 1 + batch], packed[cap + 1 + batch :] = seq_lens, 0
+        self.lengths.copy_(staged, non_blocking=True)
+        return self.lengths[: batch + 1], self.lengths[cap + 1 : cap + 1 + batch]
 
     def plan_step(self, inputs: tuple[Any, ...]) -> AttentionPlan:
-        return plan(*inputs, self.model.spec, device=self.model.device, provider="triton")
+        """``plan`` of one step: with the device lengths, or (``lengths_on_device``
+        false) uploading the host lengths itself."""
+        *args, device_lengths = inputs
+        if not self.lengths_on_device:
+            device_lengths = None
+        return plan(*args, self.model.spec, device=self.model.device, provider="triton",
+                    device_lengths=device_lengths)  # fmt: skip
 
     def inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hidden[:batch], self.positions[:batch]
@@ -144,16 +173,20 @@ def measure_graph(
         end.record()
         end.synchronize()
         replays.append(begin.elapsed_time(end))
-    idle_plan_s = 0.0  # plan's own host cost, with nothing queued on the device to wait for
+    idle_plan_s = {True: 0.0, False: 0.0}  # plan alone, nothing queued on the device
     for i in range(num_steps):
-        inputs = steps.step_inputs(batch, i)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        steps.plan_step(inputs)
-        idle_plan_s += time.perf_counter() - t0
+        for on_device in idle_plan_s:
+            inputs = steps.step_inputs(batch, i)
+            torch.cuda.synchronize()
+            steps.lengths_on_device = on_device
+            t0 = time.perf_counter()
+            steps.plan_step(inputs)
+            idle_plan_s[on_device] += time.perf_counter() - t0
+    steps.lengths_on_device = True
     return {
         "graph_step_ms": step_ms,
-        "idle_plan_host_us": idle_plan_s * 1e6 / num_steps,
+        "idle_plan_host_us": idle_plan_s[True] * 1e6 / num_steps,
+        "idle_plan_upload_host_us": idle_plan_s[False] * 1e6 / num_steps,
         "replay_ms": float(np.median(replays)),
         "inputs_host_us": inputs_s * 1e6 / num_steps,
         "plan_host_us": plan_s * 1e6 / num_steps,
@@ -208,7 +241,7 @@ def plan_host_sweep(
 ) -> list[dict]:
     """Median host time of ``plan`` alone, the device idle, for decode batches of 1..256
     requests (inputs prepared beforehand: host lengths, device tables and slots), without
-    and with fixed buffers. The sizes are measured in ``rounds`` rounds, in alternating
+    and with fixed buffers, and with the lengths given on the device. The sizes are measured in ``rounds`` rounds, in alternating
     order (ascending, descending, ...), each a median of ``repeats`` calls after a warm-up:
     ``plan_us`` is the median of the rounds' medians and ``plan_us_worst`` the slowest
     round's (a round disturbed by something else on the host shows there)."""
@@ -225,19 +258,25 @@ def plan_host_sweep(
             cu_seqlens_q = np.arange(batch + 1)
             tables = steps.block_tables[:batch]
             slots = torch.arange(batch, dtype=torch.int64, device=device)
-            for label, fixed in (("plan_us", None), ("plan_buffers_us", buffers)):
+            lengths = steps.upload_lengths(cu_seqlens_q, seq_lens)
+            for label, fixed, device_lengths in (
+                ("plan_us", None, None),
+                ("plan_buffers_us", buffers, None),
+                ("plan_device_lens_us", None, lengths),
+            ):
                 times = []
                 for _ in range(repeats + 20):  # the first 20: warm-up
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     plan(cu_seqlens_q, seq_lens, tables, slots, batch, spec,
-                         device=device, provider="triton", buffers=fixed)  # fmt: skip
+                         device=device, provider="triton", buffers=fixed,
+                         device_lengths=device_lengths)  # fmt: skip
                     times.append(time.perf_counter() - t0)
                 samples.setdefault((batch, label), []).append(float(np.median(times[20:])) * 1e6)
     rows = []
     for batch in sizes:
         row: dict[str, Any] = {"batch": batch}
-        for label in ("plan_us", "plan_buffers_us"):
+        for label in PLAN_LABELS:
             medians = samples[(batch, label)]
             row[label] = float(np.median(medians))
             row[f"{label}_worst"] = max(medians)
@@ -289,6 +328,7 @@ def main() -> None:
             "inputs_us": graph["inputs_host_us"],
             "plan_us": graph["plan_host_us"],
             "idle_plan_us": graph["idle_plan_host_us"],
+            "idle_plan_upload_us": graph["idle_plan_upload_host_us"],
             "update_us": graph["update_host_us"],
             "update/step": graph["update_host_us"] * 1e-3 / graph["graph_step_ms"],
             "speedup": eager_ms / graph["graph_step_ms"],

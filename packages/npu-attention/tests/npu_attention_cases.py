@@ -182,8 +182,10 @@ def run_case(
     buffers: PlanBuffers | None = None,
     kv_in_cache: bool = False,
     provider: str | None = "reference",
+    device_lengths: bool = False,
 ) -> tuple[torch.Tensor, PagedCase, AttentionPlan]:
-    """plan + run over ``case``'s paged caches; ``out`` starts as a sentinel (-3)."""
+    """plan + run over ``case``'s paged caches; ``out`` starts as a sentinel (-3).
+    ``device_lengths``: the plan takes the lengths from ``lengths_on_device``."""
     paged = case.paged(np.random.default_rng(seed), packed=packed)
     device = case.query.device
     step = plan(
@@ -196,6 +198,7 @@ def run_case(
         provider=provider,
         buffers=buffers,
         num_blocks=paged.num_blocks if device.type == "cpu" else None,
+        device_lengths=lengths_on_device(case, device) if device_lengths else None,
     )
     key, value = case.new_kv()
     if kv_in_cache:  # the new K/V are already cached: write them here, run only attends
@@ -207,6 +210,16 @@ def run_case(
     out = torch.full_like(case.query, -3.0)
     run(case.query, key, value, paged.key_cache, paged.value_cache, step, out)
     return out, paged, step
+
+
+def lengths_on_device(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``case``'s ``(cu_seqlens_q, seq_lens)`` as int32 on ``device``, each one entry
+    longer than the batch (as a model runner's persistent buffers are), the extra
+    entry a value no request has."""
+    return tuple(
+        torch.tensor([*values, 1 << 30], dtype=torch.int32, device=device)
+        for values in (case.cu_seqlens_q, case.seq_lens)
+    )
 
 
 def assert_close_to_oracle(case: Case, out: torch.Tensor) -> None:

@@ -275,6 +275,34 @@ def test_buffers_on_another_device() -> None:
         _plan(buffers=buffers)
 
 
+def _lengths(cu=CU, seq=SEQ, dtype=torch.int32):
+    return torch.tensor(cu, dtype=dtype), torch.tensor(seq, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "error", "message"),
+    [
+        (_lengths()[0], TypeError, r"device_lengths must be a pair \(cu_seqlens_q, seq_lens\) of tensors"),
+        ((CU, _lengths()[1]), TypeError, r"device_lengths' cu_seqlens_q must be a tensor, got list"),
+        (_lengths(dtype=torch.int64), ValueError, r"cu_seqlens_q must be a 1-D int32 tensor on cpu, got torch.int64 \(3,\) on cpu"),
+        ((_lengths()[0], torch.zeros(2, dtype=torch.int32, device="meta")), ValueError, r"seq_lens must be a 1-D int32 tensor on cpu, got torch.int32 \(2,\) on meta"),
+        (_lengths(seq=SEQ[:1]), ValueError, r"seq_lens must hold at least 2 contiguous entries, got shape \(1,\)"),
+        ((_lengths()[0], torch.tensor([10, 0, 3, 0], dtype=torch.int32)[::2]), ValueError, r"seq_lens must hold at least 2 contiguous entries, got shape \(2,\) with stride \(2,\)"),
+    ],
+)  # fmt: skip
+def test_plan_rejects_device_lengths(lengths, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        _plan(device_lengths=lengths)
+
+
+def test_device_lengths_and_buffers_are_exclusive() -> None:
+    buffers = PlanBuffers.allocate(4, 8, 4, device="cpu")
+    before = buffers.meta.clone()
+    with pytest.raises(ValueError, match="device_lengths and buffers are exclusive"):
+        _plan(device_lengths=_lengths(), buffers=buffers)
+    assert torch.equal(buffers.meta, before), "buffers half-written"
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5])
 def test_buffer_capacity_must_be_positive_int(bad) -> None:
     with pytest.raises(ValueError, match=r"max_num_tokens must be a positive int, got"):

@@ -100,3 +100,20 @@ def test_block_tables_stay_on_their_device_when_already_int32() -> None:
     tables = _tables(2).to(torch.int32)
     step = plan([0, 1, 2], [5, 6], tables, [1, 2], 2, SPEC)
     assert step.block_tables.data_ptr() == tables.data_ptr()
+
+
+def test_lengths_given_on_the_device_are_used_in_place() -> None:
+    cu, seq = [0, 1, 2, 7, 10], [9, 33, 5, 20]
+    given = (
+        torch.tensor([*cu, 99], dtype=torch.int32),
+        torch.tensor([*seq, 99, 99], dtype=torch.int32),
+    )
+    uploaded = plan(cu, seq, _tables(4), torch.arange(12), 2, SPEC)
+    step = plan(cu, seq, _tables(4), torch.arange(12), 2, SPEC, device_lengths=given)
+    assert step.cu_seqlens_q.data_ptr() == given[0].data_ptr()
+    assert step.seq_lens.data_ptr() == given[1].data_ptr()
+    for name in ("cu_seqlens_q", "seq_lens", "context_lens"):
+        assert torch.equal(getattr(step, name), getattr(uploaded, name)), name
+    assert step.context_lens.dtype == torch.int32
+    for name in ("state", "cu_seqlens_q_host", "seq_lens_host", "max_context_len"):
+        assert getattr(step, name) == getattr(uploaded, name), name

@@ -14,6 +14,7 @@ import torch
 from npu_attention_cases import (
     assert_cache_written,
     assert_close_to_oracle,
+    lengths_on_device,
     make_case,
     run_case,
 )
@@ -50,6 +51,21 @@ def test_batch_states_through_plan_and_run(name: str) -> None:
     out, paged, step = run_case(case, provider="triton")
     assert step.state is state
     assert type(step.provider).__name__ == "TritonProvider"
+    assert_close_to_oracle(case, out)
+    assert_cache_written(case, paged)
+
+
+@pytest.mark.parametrize(
+    "name", ["prefill_cache_hit", "decode_only", "spec_decoding", "chunked_prefill"]
+)
+def test_lengths_given_on_the_device(name: str) -> None:
+    """The kernels read the caller's device lengths (cut to the batch) as they read
+    the plan's own upload."""
+    query_lens, context_lens, num_decodes, spec_tokens, state = BATCHES[name]
+    spec = _spec(num_speculative_tokens=spec_tokens)
+    case = make_case(spec, query_lens, context_lens, num_decodes, pad_tokens=2, device=DEVICE)
+    out, paged, step = run_case(case, provider="triton", device_lengths=True)
+    assert step.state is state and step.seq_lens.shape == (len(query_lens),)
     assert_close_to_oracle(case, out)
     assert_cache_written(case, paged)
 
@@ -100,6 +116,31 @@ def test_no_host_sync_on_gpu(name: str) -> None:
         run(case.query, key, value, paged.key_cache, paged.value_cache, step, out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert_close_to_oracle(case, out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["decode_only", "spec_decoding", "chunked_prefill"])
+def test_plan_with_device_lengths_does_not_sync_on_gpu(name: str) -> None:
+    """With the lengths already on the GPU, plan and run issue nothing that waits."""
+    query_lens, context_lens, num_decodes, spec_tokens, _ = BATCHES[name]
+    spec = _spec(num_speculative_tokens=spec_tokens, num_heads=32, num_kv_heads=8, head_size=128)
+    case = make_case(spec, query_lens, context_lens, num_decodes, pad_tokens=1, device="cuda")
+    run_case(case, provider="triton", device_lengths=True)  # compile the kernels first
+    paged = case.paged(np.random.default_rng(1))
+    tables, slots = paged.block_tables.cuda(), paged.slot_mapping.cuda()
+    lengths = lengths_on_device(case, torch.device("cuda"))
+    key, value = case.new_kv()
+    out = torch.full_like(case.query, -3.0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = plan(case.cu_seqlens_q, case.seq_lens, tables, slots, case.num_decodes,
+                    case.spec, provider="triton", device_lengths=lengths)  # fmt: skip
+        run(case.query, key, value, paged.key_cache, paged.value_cache, step, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert step.seq_lens.data_ptr() == lengths[1].data_ptr()
     assert_close_to_oracle(case, out)
 
 

@@ -134,7 +134,7 @@ class Batch:
             seq_lens_host=list(self.seq_lens),
             cu_seqlens_q=dev(cu, torch.int32),
             seq_lens=dev(self.seq_lens, torch.int32),
-            context_lens=dev(c, torch.int32),
+            device_context_lens=dev(c, torch.int32),
             block_tables=self.block_tables.to(self.device),
             slot_mapping=self.slot_mapping.to(self.device),
         )

@@ -119,6 +119,33 @@ def resolve_device(device: torch.device | str | None, tables: torch.Tensor) -> t
     return device
 
 
+def check_device_lengths(
+    lengths: Any, num_reqs: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu_seqlens_q, seq_lens)`` given on the device, checked by their metadata only
+    and cut to ``[num_reqs + 1]`` and ``[num_reqs]``."""
+    if not isinstance(lengths, (tuple, list)) or len(lengths) != 2:
+        raise TypeError(
+            f"device_lengths must be a pair (cu_seqlens_q, seq_lens) of tensors, got {lengths!r}"
+        )
+    checked = []
+    for name, tensor, size in zip(("cu_seqlens_q", "seq_lens"), lengths, (num_reqs + 1, num_reqs)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"device_lengths' {name} must be a tensor, got {type(tensor).__name__}")
+        if tensor.device != device or tensor.dtype != torch.int32 or tensor.dim() != 1:
+            raise ValueError(
+                f"device_lengths' {name} must be a 1-D int32 tensor on {device}, got "
+                f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+            )
+        if tensor.shape[0] < size or (size > 1 and tensor.stride(0) != 1):
+            raise ValueError(
+                f"device_lengths' {name} must hold at least {size} contiguous entries, got "
+                f"shape {tuple(tensor.shape)} with stride {tensor.stride()}"
+            )
+        checked.append(tensor if tensor.shape[0] == size else tensor[:size])
+    return checked[0], checked[1]
+
+
 def check_table_rows(tables: torch.Tensor, seq_lens: np.ndarray) -> None:
     if tables.shape[0] != len(seq_lens):
         raise ValueError(

@@ -3,7 +3,8 @@
 CONTRACT (shared by every provider and by npu-vllm-bridge):
 
 ``plan(cu_seqlens_q, seq_lens, block_tables, slot_mapping, num_decodes, spec, *,
-       device=None, provider=None, buffers=None, num_blocks=None) -> AttentionPlan``
+       device=None, provider=None, buffers=None, num_blocks=None,
+       device_lengths=None) -> AttentionPlan``
 
 - ``cu_seqlens_q``: host ``[num_reqs + 1]`` int (torch CPU tensor, numpy array or
   list), ``cu_seqlens_q[0] == 0``, non-decreasing; request ``i`` owns query tokens
@@ -21,6 +22,12 @@ CONTRACT (shared by every provider and by npu-vllm-bridge):
 - ``buffers``: ``PlanBuffers`` for fixed-buffer mode (device tensors become
   views of caller-owned buffers at fixed addresses; overflow -> ``ValueError``).
 - ``num_blocks``: when given, block ids are range-checked (host tables only).
+- ``device_lengths``: ``(cu_seqlens_q, seq_lens)`` already on ``device`` (int32,
+  stride 1, at least ``[num_reqs + 1]`` and ``[num_reqs]``) holding the host values,
+  as a model runner keeps them (vLLM's ``query_start_loc`` and ``seq_lens``): the
+  plan's device tensors are views of them and ``plan`` copies no metadata to the
+  device. Their values are not read back (that would synchronize); not with
+  ``buffers``.
 """
 
 from __future__ import annotations
@@ -75,7 +82,6 @@ class AttentionPlan:
     # device tensors
     cu_seqlens_q: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]
-    context_lens: torch.Tensor  # int32 [num_reqs], seq_lens - query_lens
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_slots], -1 = padding
     provider_data: Any = field(default=None, repr=False)
@@ -85,6 +91,17 @@ class AttentionPlan:
     has_cache: bool = True  # False: planned with block_tables=None (no KV cache)
     host_arrays: HostArrays | None = field(default=None, repr=False)
     buffers: PlanBuffers | None = field(default=None, repr=False)
+    device_context_lens: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def context_lens(self) -> torch.Tensor:
+        """int32 ``[num_reqs]`` on ``device``: ``seq_lens`` minus the query lengths
+        (uploaded with the other lengths, or computed there on first use when the plan
+        was given ``device_lengths``)."""
+        if self.device_context_lens is None:
+            cu = self.cu_seqlens_q
+            self.device_context_lens = self.seq_lens - (cu[1:] - cu[:-1])
+        return self.device_context_lens
 
     @property
     def actual_seq_lengths_q(self) -> list[int]:
@@ -117,6 +134,7 @@ def plan(
     provider: str | None = None,
     buffers: PlanBuffers | None = None,
     num_blocks: int | None = None,
+    device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AttentionPlan:
     """Turn one step's batch description into an ``AttentionPlan`` (see the module doc).
 
@@ -130,15 +148,17 @@ def plan(
             block table, out-of-range block ids or slots, a device that is not
             available, an unknown provider or one that does not run on ``device``
             or does not take ``spec`` (e.g. its head size),
-            or a batch larger than ``buffers``.
+            a batch larger than ``buffers``, or ``device_lengths`` of another device,
+            dtype or size (or given with ``buffers``).
     """
     if not isinstance(spec, StepSpec):
         raise TypeError(f"spec must be an AttentionSpec or an MLASpec, got {type(spec).__name__}")
     host = _host_arrays(cu_seqlens_q, seq_lens)
     _inputs.check_seq_lens(host.seq_lens, host.query_lens, host.context_lens)
     return build_plan(
-        host, block_tables, slot_mapping, num_decodes, spec, device, provider, buffers, num_blocks
-    )
+        host, block_tables, slot_mapping, num_decodes, spec, device, provider, buffers,
+        num_blocks, device_lengths,
+    )  # fmt: skip
 
 
 def build_plan(
@@ -151,6 +171,7 @@ def build_plan(
     provider: str | None,
     buffers: PlanBuffers | None,
     num_blocks: int | None,
+    device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AttentionPlan:
     """``plan`` from checked host arrays (``npu_attention.context_parallel`` builds
     plans whose ``seq_lens`` count only cached keys through here)."""
@@ -166,11 +187,9 @@ def build_plan(
     device = _resolve_device(device, tables)
     chosen = get_provider(provider, device, family=spec.provider_family)
     chosen.check_spec(spec)
-    if buffers is None:
-        tensors = _to_device(host, tables, slots, device)
-    else:
-        tensors = buffers.load(host, tables, slots, device, spec)
-    cu_t, seq_t, ctx_t, tables_t, slots_t = tensors
+    cu_t, seq_t, ctx_t, tables_t, slots_t = _device_tensors(
+        host, tables, slots, device, spec, buffers, device_lengths
+    )
     cu_list = host.cu_seqlens_q.tolist()
     result = AttentionPlan(
         spec=spec,
@@ -188,7 +207,6 @@ def build_plan(
         seq_lens_host=host.seq_lens.tolist(),
         cu_seqlens_q=cu_t,
         seq_lens=seq_t,
-        context_lens=ctx_t,
         block_tables=tables_t,
         slot_mapping=slots_t,
         context_lens_host=host.context_lens.tolist(),
@@ -196,6 +214,7 @@ def build_plan(
         has_cache=tables.shape[1] > 0,
         host_arrays=host,
         buffers=buffers,
+        device_context_lens=ctx_t,
     )
     result.provider_data = chosen.prepare(result)
     return result
@@ -274,6 +293,30 @@ def _tables_and_slots(
         _inputs.check_table_rows(tables, host.seq_lens)
     _inputs.check_slot_mapping(slots, num_tokens, spec.block_size, num_blocks)
     return tables, slots
+
+
+def _device_tensors(
+    host: HostArrays,
+    tables: torch.Tensor,
+    slots: torch.Tensor,
+    device: torch.device,
+    spec: AttentionSpec,
+    buffers: PlanBuffers | None,
+    device_lengths: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """``(cu_seqlens_q, seq_lens, context_lens, block_tables, slot_mapping)`` on
+    ``device``: views of the caller's ``device_lengths`` (no ``context_lens``: the plan
+    derives it on first use), of ``buffers``, or of one fresh upload."""
+    if device_lengths is None:
+        if buffers is None:
+            return _to_device(host, tables, slots, device)
+        return buffers.load(host, tables, slots, device, spec)
+    if buffers is not None:
+        raise ValueError("device_lengths and buffers are exclusive: pass one of them")
+    cu_t, seq_t = _inputs.check_device_lengths(device_lengths, len(host.seq_lens), device)
+    tables_t = _inputs.to_device(tables, device, torch.int32)
+    slots_t = _inputs.to_device(slots, device, torch.int64)
+    return cu_t, seq_t, None, tables_t, slots_t
 
 
 def _to_device(
