@@ -162,6 +162,31 @@ def test_graph_padded_decode_batch_becomes_uniform_decode(model_layers):
     assert int(changed.any(dim=(1, 2, 3)).sum()) <= 2  # only the two real requests' blocks
 
 
+def test_plan_reads_vllms_device_lengths_unless_the_bridge_changed_them(model_layers):
+    """vLLM's runner uploads ``query_start_loc`` and ``seq_lens`` every step: the plan takes
+    views of them. A padded graph batch, whose lengths the bridge rewrites, gets its own."""
+    config, names = model_layers
+    kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    batch = make_batch([(10, 1), (0, 7)], kv_cache, BLOCK_SIZE, torch.Generator().manual_seed(9))
+    plan = _builder(config, names).build(0, batch.common).plan
+    assert plan.cu_seqlens_q.data_ptr() == batch.common.query_start_loc.data_ptr()
+    assert plan.seq_lens.data_ptr() == batch.common.seq_lens.data_ptr()
+    assert plan.context_lens.tolist() == [10, 0]
+    decodes = make_batch([(10, 1), (20, 1)], kv_cache, BLOCK_SIZE, torch.Generator(), pad_tokens=2)
+    padded = decodes.common.replace(
+        query_start_loc=torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32),
+        query_start_loc_cpu=torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([11, 21, 0, 0], dtype=torch.int32),
+        seq_lens_cpu_upper_bound=torch.tensor([11, 21, 0, 0], dtype=torch.int32),
+        num_reqs=4,
+        block_table_tensor=torch.zeros(4, 2, dtype=torch.int32),
+    )
+    plan = _builder(config, names).build(0, padded).plan
+    assert plan.seq_lens.data_ptr() != padded.seq_lens.data_ptr()
+    assert plan.seq_lens.tolist() == [11, 21, 1, 1]
+    assert plan.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+
+
 def _capture_metadata(model_layers):
     """The capture build of three one-token decodes whose block tables hold 8 blocks."""
     config, names = model_layers

@@ -113,8 +113,11 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
     def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeAttentionMetadata:
         block_tables = cm.block_table_tensor[: cm.num_reqs]
         query_lens, seq_lens = host_query_and_seq_lens(cm, exact=self.exact_seq_lens)
-        fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
-        if for_capture and self.capture_longest:
+        padded = fill_padding_requests(
+            query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len
+        )
+        longest = for_capture and self.capture_longest
+        if longest:
             seq_lens = longest_context_lens(
                 query_lens, block_tables.shape[1], self.spec.block_size, self.dcp,
                 self.max_model_len,
@@ -144,6 +147,7 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
             self.spec,
             device=self.device,
             provider=self.provider,
+            device_lengths=None if padded or longest else runner_lengths(cm),
         )
         return BridgeAttentionMetadata(plan, cm.num_actual_tokens, for_capture)
 
@@ -166,10 +170,18 @@ def host_query_and_seq_lens(
     return query_lens, host_seq_lens[: cm.num_reqs].tolist()
 
 
+def runner_lengths(cm: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's device ``query_start_loc`` and ``seq_lens`` of the batch (int32, uploaded by
+    the model runner every step): ``plan`` takes views of them instead of uploading the
+    same values again. Only for batches whose lengths the bridge left as vLLM gave them."""
+    return cm.query_start_loc[: cm.num_reqs + 1], cm.seq_lens[: cm.num_reqs]
+
+
 def fill_padding_requests(
     query_lens: list[int], seq_lens: list[int], num_tokens: int, decode_len: int = 1
-) -> None:
-    """Turn graph padding into decodes that write nothing, in place.
+) -> bool:
+    """Turn graph padding into decodes that write nothing, in place; whether any
+    request changed.
 
     A padded FULL-graph batch ends with requests of query length 0 (block
     table rows of the null block) and tokens past the last request (slot -1).
@@ -186,11 +198,12 @@ def fill_padding_requests(
     spare_tokens = num_tokens - sum(query_lens)
     num_padding = len(query_lens) - num_real
     if num_padding == 0 or spare_tokens < num_padding:
-        return
+        return False
     pad_len = decode_len if spare_tokens >= num_padding * decode_len else 1
     for i in range(num_real, len(query_lens)):
         query_lens[i] = pad_len
         seq_lens[i] = pad_len
+    return True
 
 
 def count_leading_decodes(query_lens: list[int], max_decode_len: int = 1) -> int:
