@@ -29,6 +29,7 @@ from npu_vllm_bridge.attention.builder import (
     cumulative,
     fill_padding_requests,
     longest_context_lens,
+    runner_lengths,
 )
 from npu_vllm_bridge.attention.context_parallel import dcp_layout_of
 from npu_vllm_bridge.attention.mla_context_parallel import plan_mla_dcp
@@ -143,7 +144,8 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
         block_tables = cm.block_table_tensor[: cm.num_reqs]
         query_lens, seq_lens = host_lens(cm, exact=self.exact_seq_lens)
         num_real = pad_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
-        if for_capture and self.capture_longest:
+        longest = for_capture and self.capture_longest
+        if longest:
             seq_lens = longest_context_lens(
                 query_lens, block_tables.shape[1], self.spec.block_size, self.dcp,
                 self.max_model_len,
@@ -162,6 +164,7 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
             self.spec,
             device=self.device,
             provider=self.provider,
+            device_lengths=None if longest or num_real < cm.num_reqs else runner_lengths(cm),
         )
         decode_rows = plan.num_decode_tokens if plan.num_prefills else cm.num_actual_tokens
         return BridgeMLAMetadata(
