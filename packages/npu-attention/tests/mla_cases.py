@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from npu_attention_cases import lengths_on_device
 
 from npu_attention import AttentionPlan, plan
 from npu_attention.mla import (
@@ -206,8 +207,10 @@ def run_mla_case(
     layout: str = "planes",
     seed: int = 0,
     buffers=None,
+    device_lengths: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, MLAPaged, AttentionPlan]:
-    """plan + cache write + decode + prefill; outputs start as a sentinel (-3)."""
+    """plan + cache write + decode + prefill; outputs start as a sentinel (-3).
+    ``device_lengths``: the plan takes the lengths from ``lengths_on_device``."""
     paged = case.paged(np.random.default_rng(seed), layout)
     device = case.q_rope.device
     step = plan(
@@ -220,6 +223,7 @@ def run_mla_case(
         provider=provider,
         buffers=buffers,
         num_blocks=paged.num_blocks if device.type == "cpu" else None,
+        device_lengths=lengths_on_device(case, device) if device_lengths else None,
     )
     kv_c, k_pe = case.new_latents()
     mla_write_cache(kv_c, k_pe, paged.cache, step)

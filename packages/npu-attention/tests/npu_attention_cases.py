@@ -9,6 +9,7 @@ memory is NaN, so any read outside a request's pages shows up in the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -212,10 +213,10 @@ def run_case(
     return out, paged, step
 
 
-def lengths_on_device(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``case``'s ``(cu_seqlens_q, seq_lens)`` as int32 on ``device``, each one entry
-    longer than the batch (as a model runner's persistent buffers are), the extra
-    entry a value no request has."""
+def lengths_on_device(case: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A case's (``Case`` or ``MLACase``) ``(cu_seqlens_q, seq_lens)`` as int32 on
+    ``device``, each one entry longer than the batch (as a model runner's persistent
+    buffers are), the extra entry a value no request has."""
     return tuple(
         torch.tensor([*values, 1 << 30], dtype=torch.int32, device=device)
         for values in (case.cu_seqlens_q, case.seq_lens)

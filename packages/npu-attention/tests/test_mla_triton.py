@@ -64,6 +64,16 @@ def test_small_states_match_oracle(name: str, splits: int, triton_mla) -> None:
     assert_latents_written(case, paged)
 
 
+@pytest.mark.parametrize("name", SMALL_CASES)
+def test_lengths_given_on_the_device(name: str) -> None:
+    query_lens, context_lens, num_decodes, spec_tokens = SMALL_CASES[name]
+    spec = _spec(num_speculative_tokens=spec_tokens)
+    case = make_mla_case(spec, query_lens, context_lens, num_decodes, pad_tokens=2, device=DEVICE)
+    decode_out, prefill_out, paged, _ = run_mla_case(case, provider="triton", device_lengths=True)
+    assert_mla_matches_oracle(case, decode_out, prefill_out)
+    assert_latents_written(case, paged)
+
+
 @pytest.mark.parametrize("layout", ["planes", "interleaved"])
 def test_odd_widths_half_precision_and_cache_layouts(layout: str, triton_mla) -> None:
     triton_mla.min_tokens_per_split, triton_mla.target_waves = 16, 10**4  # 4 splits: 50 // 16
