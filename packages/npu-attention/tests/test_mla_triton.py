@@ -87,10 +87,12 @@ def test_odd_widths_half_precision_and_cache_layouts(layout: str, triton_mla) ->
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_heads", [16, 128])
-@pytest.mark.parametrize("spec_tokens", [0, 3])
+@pytest.mark.parametrize("num_heads", [16, 32, 64, 128])  # 128 / TP of 1, 2, 4 and 8 ranks
+@pytest.mark.parametrize("spec_tokens", [0, 1, 3])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_gpu_deepseek_widths(num_heads: int, spec_tokens: int, block_size: int) -> None:
+    """Every head tile the provider picks (16, 32 or 64 heads a program, rows of heads x
+    tokens 16 to 64, 4 or 8 warps) at DeepSeek-V3's widths."""
     spec = MLASpec(
         num_heads=num_heads,
         kv_lora_rank=512,
