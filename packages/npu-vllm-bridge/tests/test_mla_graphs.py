@@ -12,12 +12,8 @@ import torch
 import npu_attention
 from npu_attention.mla import MLASpec, allocate_latent_cache
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
-from npu_vllm_bridge.attention.mla_builder import (
-    BridgeMLAMetadata,
-    MLARows,
-    count_leading_decodes,
-    pad_requests,
-)
+from npu_vllm_bridge.attention.builder import count_leading_decodes
+from npu_vllm_bridge.attention.mla_builder import BridgeMLAMetadata, MLARows, pad_requests
 from npu_vllm_bridge.graphs.mla_tasks import run_mla_decode, run_mla_write_cache
 
 HEADS, RANK, NOPE, ROPE, V = 4, 32, 16, 16, 16

@@ -8,7 +8,6 @@ and the step's plan for the impl.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -26,8 +25,10 @@ from npu_attention.mla import MLASpec
 from npu_vllm_bridge.attention.builder import (
     attention_provider_name,
     capture_longest_context,
+    count_leading_decodes,
     cumulative,
     fill_padding_requests,
+    host_query_and_seq_lens,
     longest_context_lens,
     runner_lengths,
 )
@@ -142,7 +143,7 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
 
     def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeMLAMetadata:
         block_tables = cm.block_table_tensor[: cm.num_reqs]
-        query_lens, seq_lens = host_lens(cm, exact=self.exact_seq_lens)
+        query_lens, seq_lens = host_query_and_seq_lens(cm, exact=self.exact_seq_lens)
         num_real = pad_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
         longest = for_capture and self.capture_longest
         if longest:
@@ -217,18 +218,6 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
         )
 
 
-def host_lens(cm: CommonAttentionMetadata, exact: bool = False) -> tuple[list[int], list[int]]:
-    """Per-request query and sequence lengths as host lists. vLLM's host
-    ``seq_lens_cpu_upper_bound`` is exact without a drafter (no device sync); with
-    one, ``exact=True`` reads the device ``seq_lens``."""
-    cu = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
-    query_lens = [end - start for start, end in itertools.pairwise(cu)]
-    seq_lens = None if exact else cm.seq_lens_cpu_upper_bound
-    if seq_lens is None:
-        seq_lens = cm.seq_lens.cpu()
-    return query_lens, seq_lens[: cm.num_reqs].tolist()
-
-
 def pad_requests(
     query_lens: list[int], seq_lens: list[int], num_tokens: int, max_decode_len: int
 ) -> int:
@@ -246,16 +235,6 @@ def pad_requests(
         if query_lens[i] == 0:
             seq_lens[i] = 0
     return num_real
-
-
-def count_leading_decodes(query_lens: list[int], max_decode_len: int) -> int:
-    """Requests of 1 to ``max_decode_len`` query tokens at the head of the batch."""
-    count = 0
-    for query_len in query_lens:
-        if not 1 <= query_len <= max_decode_len:
-            break
-        count += 1
-    return count
 
 
 def mla_spec_for_layers(
