@@ -81,7 +81,7 @@ def hand_plan(
         seq_lens_host=list(seq_lens),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context, dtype=torch.int32, device=device),
+        device_context_lens=torch.tensor(context, dtype=torch.int32, device=device),
         block_tables=block_tables,
         slot_mapping=slots,
     )
