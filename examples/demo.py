@@ -45,6 +45,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=64, help="per answer")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=16,
+        help="requests in flight at once; it also bounds the batch sizes vLLM captures graphs for",
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="no graph capture")
     return parser.parse_args()
 
@@ -98,6 +104,7 @@ def main() -> None:
         model=str(model_dir),
         dtype="bfloat16" if on_npu else "float32",
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=0.8 if on_npu else 0.2,
         enforce_eager=args.enforce_eager,
         seed=0,
