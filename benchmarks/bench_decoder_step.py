@@ -64,7 +64,6 @@ class DecodeSteps:
         # The lengths on the device, as a model runner keeps them: cu_seqlens_q | seq_lens,
         # each at a fixed address whatever the batch (plan takes views of them).
         self.lengths = torch.zeros(2 * max_batch + 1, dtype=torch.int32, device=device)
-        self.lengths_on_device = True
 
     @staticmethod
     def num_blocks(max_batch: int, context: int, block_size: int) -> int:
@@ -102,14 +101,12 @@ class DecodeSteps:
         self.lengths.copy_(staged, non_blocking=True)
         return self.lengths[: batch + 1], self.lengths[cap + 1 : cap + 1 + batch]
 
-    def plan_step(self, inputs: tuple[Any, ...]) -> AttentionPlan:
-        """``plan`` of one step: with the device lengths, or (``lengths_on_device``
-        false) uploading the host lengths itself."""
+    def plan_step(self, inputs: tuple[Any, ...], lengths_on_device: bool = True) -> AttentionPlan:
+        """``plan`` of one step: with the device lengths, or uploading the host lengths
+        itself."""
         *args, device_lengths = inputs
-        if not self.lengths_on_device:
-            device_lengths = None
         return plan(*args, self.model.spec, device=self.model.device, provider="triton",
-                    device_lengths=device_lengths)  # fmt: skip
+                    device_lengths=device_lengths if lengths_on_device else None)  # fmt: skip
 
     def inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hidden[:batch], self.positions[:batch]
@@ -178,11 +175,9 @@ def measure_graph(
         for on_device in idle_plan_s:
             inputs = steps.step_inputs(batch, i)
             torch.cuda.synchronize()
-            steps.lengths_on_device = on_device
             t0 = time.perf_counter()
-            steps.plan_step(inputs)
+            steps.plan_step(inputs, lengths_on_device=on_device)
             idle_plan_s[on_device] += time.perf_counter() - t0
-    steps.lengths_on_device = True
     return {
         "graph_step_ms": step_ms,
         "idle_plan_host_us": idle_plan_s[True] * 1e6 / num_steps,
@@ -241,8 +236,9 @@ def plan_host_sweep(
 ) -> list[dict]:
     """Median host time of ``plan`` alone, the device idle, for decode batches of 1..256
     requests (inputs prepared beforehand: host lengths, device tables and slots), without
-    and with fixed buffers, and with the lengths given on the device. The sizes are measured in ``rounds`` rounds, in alternating
-    order (ascending, descending, ...), each a median of ``repeats`` calls after a warm-up:
+    and with fixed buffers, and with the lengths given on the device. The sizes are
+    measured in ``rounds`` rounds, in alternating order (ascending, descending, ...),
+    each a median of ``repeats`` calls after a warm-up:
     ``plan_us`` is the median of the rounds' medians and ``plan_us_worst`` the slowest
     round's (a round disturbed by something else on the host shows there)."""
     from npu_attention import PlanBuffers

@@ -30,11 +30,13 @@ _MAX_KV_SPLITS = 64
 
 @dataclass(frozen=True)
 class TritonMLAData:
-    """``num_kv_splits``: decode programs along each request's keys; ``prefill``: the
-    reference provider's prefill pages (``None`` without prefills)."""
+    """``num_kv_splits``: decode programs along each request's keys; ``decode``: the
+    step's decode launch, made once for every layer (``None`` without decodes);
+    ``prefill``: the reference provider's prefill pages (``None`` without prefills)."""
 
     num_kv_splits: int
     prefill: PrefillPages | None
+    decode: MLADecodeConfig | None = None
 
 
 class TritonMLAProvider(ReferenceMLAProvider):
@@ -91,11 +93,12 @@ class TritonMLAProvider(ReferenceMLAProvider):
 
     def prepare(self, plan: AttentionPlan) -> TritonMLAData:
         require_cache(plan)
-        splits = 1
+        splits, decode = 1, None
         if plan.num_decodes:
             splits = self._num_kv_splits(plan)
+            decode = self.decode_config(plan.spec, splits)
         prefill = prefill_pages(plan) if plan.num_decodes < plan.num_reqs else None
-        return TritonMLAData(num_kv_splits=splits, prefill=prefill)
+        return TritonMLAData(num_kv_splits=splits, prefill=prefill, decode=decode)
 
     def write_cache(
         self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: AttentionPlan
@@ -132,7 +135,7 @@ class TritonMLAProvider(ReferenceMLAProvider):
             num_decode_tokens=plan.num_decode_tokens,
             max_query_len=1 + spec.num_speculative_tokens,
             scale=spec.softmax_scale,
-            config=self.decode_config(spec, plan.provider_data.num_kv_splits),
+            config=plan.provider_data.decode,
             lse=lse,
         )
 
@@ -140,9 +143,10 @@ class TritonMLAProvider(ReferenceMLAProvider):
         """The decode launch for ``spec``: programs of 64 rows (heads x query tokens) or
         more get at least 8 warps."""
         from npu_attention.providers.triton_kernels.mla_decode import MLADecodeConfig
+        from npu_attention.providers.triton_kernels.utils import next_power_of_2
 
         block_h = self.heads_per_program(spec)
-        rows = block_h * _next_power_of_2(1 + spec.num_speculative_tokens)
+        rows = block_h * next_power_of_2(1 + spec.num_speculative_tokens)
         return MLADecodeConfig(
             block_h=block_h,
             block_n=self.block_n,
@@ -154,8 +158,10 @@ class TritonMLAProvider(ReferenceMLAProvider):
     def heads_per_program(self, spec: MLASpec) -> int:
         """Query heads of one decode program: at most ``block_h``, the model's heads
         (rounded up to a power of two) and ``max_rows`` rows of heads x query tokens."""
-        tokens = _next_power_of_2(1 + spec.num_speculative_tokens)
-        heads = _next_power_of_2(spec.num_heads)
+        from npu_attention.providers.triton_kernels.utils import next_power_of_2
+
+        tokens = next_power_of_2(1 + spec.num_speculative_tokens)
+        heads = next_power_of_2(spec.num_heads)
         return max(1, min(self.block_h, heads, self.max_rows // tokens))
 
     def _num_kv_splits(self, plan: AttentionPlan) -> int:
@@ -166,10 +172,6 @@ class TritonMLAProvider(ReferenceMLAProvider):
         by_occupancy = self.target_waves * _multiprocessor_count(plan.device) // programs
         by_length = -(-plan.max_seq_len // self.min_tokens_per_split)
         return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=16)
