@@ -6,8 +6,10 @@ Problems (32 query / 8 KV heads, head size 128, bf16, causal):
   (bottom-right causal: query ``i`` sees keys ``<= 4096 + i``).
 The triton provider is called as ``npu_attention.run`` calls it, with the step's own
 K/V rows beside the paged cache (permuted pages): a prefill without cached context reads
-its keys from those rows (``triton``), a chunk after a prefix reads every key from the
-pages. ``pages`` is the same call without the rows: every key gathered from the pages.
+its keys from those rows (``triton``: on a Hopper GPU through the Gluon kernel), a chunk
+after a prefix reads every key from the pages. ``portable`` is the same call with
+``hopper_prefill`` off (the portable kernel on the same rows); ``pages`` is the call
+without the rows: every key gathered from the pages.
 SDPA (``enable_gqa=True``) reads contiguous ``[batch, kv_heads, seq, head_size]`` K/V.
 FLOPs count only the (query, key) pairs the causal mask keeps, 4 * head_size per
 pair and head, for both. Peers from the same run: SDPA with torch's own backend
@@ -236,11 +238,15 @@ def main() -> None:
         for block_size in (128, 16):
             result = measure(problem, provider, block_size, own_keys=True)
             pages = measure(problem, provider, block_size)
+            provider.hopper_prefill = False
+            portable = measure(problem, provider, block_size, own_keys=True)
+            provider.hopper_prefill = True
             row = {
                 "problem": name,
                 "block": block_size,
                 "triton_ms": result["ms"],
                 "triton_TFLOP/s": result["tflops"],
+                "portable_TFLOP/s": portable["tflops"],
                 "pages_TFLOP/s": pages["tflops"],
             }
             for backend, ms in peers.items():
@@ -248,7 +254,9 @@ def main() -> None:
                 row[f"{backend}_TFLOP/s"] = tflops if tflops is not None else "n/a"
                 row[f"vs_{backend}"] = ms / result["ms"] if ms is not None else "n/a"
             row["vs_best_sdpa"] = best / result["ms"]
-            row["max_err"] = max(result["max_abs_err"], pages["max_abs_err"])
+            row["max_err"] = max(
+                result["max_abs_err"], pages["max_abs_err"], portable["max_abs_err"]
+            )
             rows.append(row)
         del problem
         torch.cuda.empty_cache()

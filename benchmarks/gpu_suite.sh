@@ -44,7 +44,7 @@ case $mode in
     tests)  # four pytest processes at once: compiling the Triton variants is the long part
         attention=packages/npu-attention/tests
         triton_rest="$attention/test_triton_tma.py $attention/test_triton_plan_run.py
-            $attention/test_triton_context_parallel.py"
+            $attention/test_triton_context_parallel.py $attention/test_triton_hopper_prefill.py"
         pytest_cuda=(python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5)
         part_log=$dest/tests_provider.log part tests_provider 560 "${pytest_cuda[@]}" \
             "$attention/test_triton_provider.py" -k "not gpu_head_sizes" &

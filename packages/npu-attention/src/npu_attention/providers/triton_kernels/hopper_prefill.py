@@ -1,0 +1,391 @@
+"""Prefill attention over the step's own K/V rows for Hopper GPUs, written in Gluon.
+
+The portable kernel in ``paged_attention.py`` leaves the schedule of its key loop to
+the compiler, which waits for each tile's scores before it starts the softmax. This
+kernel orders the work itself, in the way FlashAttention-3 does on Hopper:
+
+- one loader warp fetches Q, K and V tiles with the tensor-memory accelerator into a
+  ring of shared-memory stages, signalling each stage on an mbarrier;
+- two consumer warpgroups each take 64 of the program's 128 query rows; each issues
+  the next tile's scores (``Q @ K^T``) and this tile's ``P @ V`` as asynchronous
+  warpgroup MMAs and computes the softmax while the ``P @ V`` runs.
+
+It covers what a prefill without cached context needs: causal or not, any number of
+requests packed along the token axis (varlen), GQA, head sizes 64/128/256 (16-bit),
+and the optional log-sum-exp output. Sliding windows and soft caps stay on the
+portable kernel. Gluon, ``wgmma`` and TMA need Triton 3.5+ and compute capability 9.0
+(sm_90a); :func:`hopper_prefill_supported` says whether a call can take this path.
+"""
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.core import _aggregate as aggregate
+
+    HAVE_GLUON = True
+except ImportError:  # older Triton, triton-ascend: the portable kernel serves
+    HAVE_GLUON = False
+
+_LOG2E = 1.4426950408889634
+BLOCK_M = 128  # query rows a program takes: two warpgroups of 64
+ROWS_PER_CONSUMER = 64
+
+HEAD_SIZES = (64, 128, 256)
+
+
+def hopper_prefill_supported(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor
+) -> bool:
+    """Whether :func:`hopper_prefill` takes ``query``/``out`` ``[tokens, heads,
+    head_size]`` with ``key``/``value`` ``[tokens, kv_heads, head_size]``: Gluon
+    present, CUDA tensors, fp16/bf16, a head size of ``HEAD_SIZES``, and each token's
+    heads contiguous in rows a TMA descriptor takes (16-byte aligned). The caller
+    checks the device's compute capability (9.x)."""
+    if not HAVE_GLUON or query.device.type != "cuda":
+        return False
+    head_size = query.shape[-1]
+    if head_size not in HEAD_SIZES or query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if out.dtype != query.dtype or out.stride(-1) != 1:
+        return False
+    return all(_rows_take_descriptor(t, query.dtype, head_size) for t in (query, key, value))
+
+
+def _rows_take_descriptor(t: torch.Tensor, dtype: torch.dtype, head_size: int) -> bool:
+    return (
+        t.dtype == dtype
+        and t.dim() == 3
+        and t.shape[-1] == head_size
+        and t.stride(2) == 1
+        and t.stride(1) == head_size
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def hopper_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    lse: torch.Tensor | None = None,
+    stages: int = 2,
+    heads_first: bool = False,
+) -> None:
+    """Attention of each request's queries over its own keys, written into ``out``.
+
+    Args:
+        query: ``[tokens, heads, head_size]`` fp16/bf16; request ``r`` holds rows
+            ``cu_seqlens_q[r]:cu_seqlens_q[r + 1]``.
+        key, value: ``[tokens, kv_heads, head_size]``, the same rows as ``query``.
+        out: ``[tokens, heads, head_size]`` (any strides, last one 1).
+        cu_seqlens_q: int32 ``[num_reqs + 1]`` on the device.
+        lse: optional float32 ``[>= tokens, heads]``: natural-log log-sum-exp of each
+            row's scaled scores.
+        stages: K/V tiles in flight: 2 or 3 (3 needs 224 KB of shared memory at head
+            size 128; head size 256 always takes 2).
+        heads_first: launch order; ``False``: a head's query tiles one after another
+            (last tiles first), ``True``: every head of one query tile, then the next.
+
+    The caller checks :func:`hopper_prefill_supported`. Rows past
+    ``cu_seqlens_q[-1]`` are left untouched.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_reqs = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    num_kv_heads = key.shape[1]
+    stages = stages if head_size <= 128 else 2
+    dtype = gl.float16 if query.dtype == torch.float16 else gl.bfloat16
+    q_desc = _row_descriptor(query, ROWS_PER_CONSUMER, dtype)
+    block_n = key_tile(head_size)
+    k_desc = _row_descriptor(key, block_n, dtype)
+    v_desc = _row_descriptor(value, block_n, dtype)
+    write_lse = lse is not None
+    lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
+    grid = (num_tokens // BLOCK_M + num_reqs, num_heads)
+    if heads_first:
+        grid = grid[::-1]
+    _hopper_prefill_kernel[grid](
+        q_desc,
+        k_desc,
+        v_desc,
+        out,
+        lse_arg,
+        cu_seqlens_q,
+        num_reqs,
+        out.stride(0),
+        out.stride(1),
+        *lse_strides,
+        scale * _LOG2E,
+        QUERIES_PER_KV=num_heads // num_kv_heads,
+        HEAD=head_size,
+        STAGES=stages,
+        CAUSAL=causal,
+        WRITE_LSE=write_lse,
+        HEADS_FIRST=heads_first,
+        num_warps=4,
+        maxnreg=168,
+    )
+
+
+def key_tile(head_size: int) -> int:
+    """Keys per tile: 128, or 64 at head size 256 (two stages of K and V then fit the
+    shared memory beside the query tile)."""
+    return 128 if head_size <= 128 else 64
+
+
+@functools.lru_cache(maxsize=32)
+def _shared_layout(rows: int, head_size: int, dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, head_size], dtype)
+
+
+def _row_descriptor(t: torch.Tensor, rows: int, dtype) -> "TensorDescriptor":
+    """A 2-D descriptor over ``t`` seen as ``[tokens, heads * head_size]``; a box is
+    ``rows`` tokens of one head."""
+    tokens, heads, head_size = t.shape
+    layout = _shared_layout(rows, head_size, dtype)
+    return TensorDescriptor(
+        t, [tokens, heads * head_size], [t.stride(0), 1], [rows, head_size], layout
+    )
+
+
+if HAVE_GLUON:
+
+    @aggregate
+    class _Flags:
+        """Compile-time switches; a partition's plain arguments arrive as run-time values."""
+
+        causal: gl.constexpr
+        write_lse: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, causal, write_lse):
+            self.causal = gl.constexpr(causal)
+            self.write_lse = gl.constexpr(write_lse)
+
+    @gluon.jit
+    def _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q: gl.constexpr):
+        """Largest request ``r`` with ``cu_seqlens_q[r] // BLOCK_Q + r <= tile_slot``."""
+        lo = num_reqs * 0
+        hi = num_reqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            start = gl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+            if start <= tile_slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @gluon.jit
+    def _load_partition(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
+        q_row, kv_row, q_col, kv_col, num_tiles,
+    ):  # fmt: skip
+        """One warp: both query halves, then K and V tiles into the stage ring."""
+        q_bars, k_ready, v_ready, k_empty, v_empty = bars
+        rows: gl.constexpr = q_desc.block_type.shape[0]
+        block_n: gl.constexpr = k_desc.block_type.shape[0]
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        for half in gl.static_range(2):
+            mbarrier.expect(q_bars.index(half), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [q_row + half * rows, q_col], q_bars.index(half), q_smem.index(half)
+            )
+        for j in range(num_tiles):
+            stage = j % STAGES
+            empty_phase = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as emptied once
+            mbarrier.wait(k_empty.index(stage), empty_phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [kv_row + j * block_n, kv_col], k_ready.index(stage), k_smem.index(stage)
+            )
+            mbarrier.wait(v_empty.index(stage), empty_phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [kv_row + j * block_n, kv_col], v_ready.index(stage), v_smem.index(stage)
+            )
+
+    @gluon.jit
+    def _masked_scores(
+        s, row_pos, key0, q_len,
+        BLOCK_N: gl.constexpr, s_layout: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        key_pos = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if CAUSAL:
+            visible = (key_pos[None, :] <= row_pos[:, None]) & (key_pos < q_len)[None, :]
+        else:
+            visible = (row_pos >= 0)[:, None] & (key_pos < q_len)[None, :]
+        return gl.where(visible, s, float("-inf"))
+
+    @gluon.jit
+    def _consumer_partition(
+        q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
+        half, q_start, q_tile, q_len, head, num_tiles, num_full,
+        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags,
+    ):  # fmt: skip
+        """One warpgroup: 64 query rows against every tile, the softmax of tile ``j``
+        overlapping the ``P @ V`` of tile ``j - 1``."""
+        q_bars, k_ready, v_ready, k_empty, v_empty = bars
+        rows: gl.constexpr = q_smem.type.shape[1]
+        HEAD: gl.constexpr = q_smem.type.shape[2]
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        block_n: gl.constexpr = k_smem.type.shape[1]
+        CAUSAL: gl.constexpr = flags.causal
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+
+        first_row = q_tile * (2 * rows) + half * rows  # within the request
+        row_pos = first_row + gl.arange(0, rows, layout=gl.SliceLayout(1, s_layout))
+        q = q_smem.index(half)
+        zero_s = gl.zeros([rows, block_n], gl.float32, layout=s_layout)
+        mbarrier.wait(q_bars.index(half), 0)
+
+        # Tile 0: its scores alone.
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, q, k_smem.index(0)))[0]
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if num_full == 0:
+            s = _masked_scores(s, row_pos, 0, q_len, block_n, s_layout, CAUSAL)
+        m_i = gl.max(s, axis=1) * qk_scale
+        p = gl.exp2(s * qk_scale - m_i[:, None])
+        l_i = gl.sum(p, axis=1)
+        o = gl.zeros([rows, HEAD], gl.float32, layout=o_layout)
+
+        for j in range(1, num_tiles):
+            stage = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            s_tok = warpgroup_mma(
+                q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_tok, k_smem.index(stage)))[0]
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            if j >= num_full:
+                s = _masked_scores(s, row_pos, j * block_n, q_len, block_n, s_layout, CAUSAL)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            o = warpgroup_mma_wait(0, deps=(o_tok, v_smem.index(prev), p_op))[0]
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+        last = (num_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=(o, v_smem.index(last), p_op))[0]
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+        o = o / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        out_rows = first_row + gl.arange(0, rows, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+        token = (q_start + out_rows).to(gl.int64)
+        dst = out_ptr + token[:, None] * stride_ot + head * stride_oh + cols[None, :]
+        gl.store(dst, o.to(out_ptr.dtype.element_ty), mask=(out_rows < q_len)[:, None])
+        if flags.write_lse:
+            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+            lse_token = (q_start + row_pos).to(gl.int64)
+            gl.store(lse_ptr + lse_token * stride_lt + head * stride_lh, lse, mask=row_pos < q_len)
+
+    @gluon.jit
+    def _hopper_prefill_kernel(
+        q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, num_reqs,
+        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+        QUERIES_PER_KV: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HEADS_FIRST: gl.constexpr,
+    ):  # fmt: skip
+        rows: gl.constexpr = q_desc.block_type.shape[0]
+        block_n: gl.constexpr = k_desc.block_type.shape[0]
+        block_m: gl.constexpr = 2 * rows
+        # Last tiles of a request see the most keys: start them first.
+        if HEADS_FIRST:
+            tile_slot = gl.num_programs(1) - 1 - gl.program_id(1)
+            head = gl.program_id(0)
+        else:
+            tile_slot = gl.num_programs(0) - 1 - gl.program_id(0)
+            head = gl.program_id(1)
+        req = _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, block_m)
+        q_start = gl.load(cu_seqlens_q_ptr + req)
+        q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
+        q_tile = tile_slot - (q_start // block_m + req)
+        if q_tile * block_m < q_len:
+            kv_hi = q_len
+            num_full = q_len // block_n
+            if CAUSAL:
+                kv_hi = gl.minimum(q_len, (q_tile + 1) * block_m)
+                num_full = (q_tile * block_m) // block_n
+            num_tiles = gl.cdiv(kv_hi, block_n)
+
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, rows, HEAD], q_desc.layout)
+            k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, block_n, HEAD], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, block_n, HEAD], v_desc.layout)
+            q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(q_bars.index(i), count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k_ready.index(i), count=1)
+                mbarrier.init(v_ready.index(i), count=1)
+                mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+                mbarrier.init(v_empty.index(i), count=2)
+            bars = (q_bars, k_ready, v_ready, k_empty, v_empty)
+            flags = _Flags(CAUSAL, WRITE_LSE)
+
+            q_row = q_start + q_tile * block_m
+            q_col = head * HEAD
+            kv_col = (head // QUERIES_PER_KV) * HEAD
+            consumer_args = (
+                q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
+                0, q_start, q_tile, q_len, head, num_tiles, num_full,
+                stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags,
+            )  # fmt: skip
+            second_consumer_args = (
+                q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
+                1, q_start, q_tile, q_len, head, num_tiles, num_full,
+                stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags,
+            )  # fmt: skip
+            load_args = (
+                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
+                q_row, q_start, q_col, kv_col, num_tiles,
+            )  # fmt: skip
+            gl.warp_specialize(
+                [
+                    (_consumer_partition, consumer_args),
+                    (_consumer_partition, second_consumer_args),
+                    (_load_partition, load_args),
+                ],
+                [4, 1],
+                [240, 24],
+            )

@@ -1,0 +1,204 @@
+"""The Hopper prefill kernel (``hopper_prefill``, Gluon) of the ``triton`` provider.
+
+A prefill without cached context given its own K/V rows takes the Gluon kernel on a
+GPU of compute capability 9.x; every other device, Triton version, feature (sliding
+window, soft cap) or row layout keeps the portable kernel. The ``cuda`` cases run
+the kernel for real on a Hopper GPU and compare with the dense float32 reference of
+``test_triton_provider`` at its tolerances (float16 4e-3, bfloat16 3e-2), pages left
+NaN so that only the step's own rows can produce the output; padding rows of ``out``
+must stay untouched. Without a GPU, the choice of kernel is checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_provider import Batch, assert_matches_reference, attend_with_own_rows
+from triton_interpreter import HAS_CUDA
+
+from npu_attention.providers import triton as triton_provider
+from npu_attention.providers.triton import TritonProvider
+from npu_attention.spec import AttentionSpec, BatchState
+
+pytest.importorskip("triton")
+
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a GPU of compute capability 9.x")
+
+
+def _prefill(spec: AttentionSpec, query_lens: list[int], pad_tokens: int = 3) -> Batch:
+    batch = Batch(spec, query_lens, [0] * len(query_lens), pad_tokens=pad_tokens)
+    assert batch.plan.state is BatchState.PREFILL_NO_CACHE
+    return batch
+
+
+def _count_hopper_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Calls of the Gluon kernel's launcher from here on (the launches still run)."""
+    kernels = triton_provider._hopper_prefill_kernels(torch.device("cuda"))
+    assert kernels is not None, "this GPU and Triton should take the Hopper kernel"
+    launches, launch = [], kernels.hopper_prefill
+
+    def counting(*args: object, **kwargs: object) -> None:
+        launches.append(1)
+        launch(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "hopper_prefill", counting)
+    return launches
+
+
+# ---------------------------------------------------------------- the choice (any machine)
+
+
+def test_devices_other_than_a_hopper_gpu_keep_the_portable_kernel() -> None:
+    assert triton_provider._hopper_prefill_kernels(torch.device("cpu")) is None
+    if HAS_CUDA and not HOPPER:
+        assert triton_provider._hopper_prefill_kernels(torch.device("cuda")) is None
+
+
+def test_rows_a_descriptor_cannot_take_are_refused() -> None:
+    hopper = pytest.importorskip("npu_attention.providers.triton_kernels.hopper_prefill")
+    rows = torch.zeros(10, 4, 128, dtype=torch.bfloat16)
+    assert hopper._rows_take_descriptor(rows, torch.bfloat16, 128)
+    strided_heads = torch.zeros(10, 128, 4, dtype=torch.bfloat16).transpose(1, 2)
+    assert not hopper._rows_take_descriptor(strided_heads, torch.bfloat16, 128)
+    odd_row_stride = torch.zeros(10, 4 * 128 + 1, dtype=torch.bfloat16)[:, :512].view(10, 4, 128)
+    assert not hopper._rows_take_descriptor(odd_row_stride, torch.bfloat16, 128)
+    assert not hopper._rows_take_descriptor(rows.half(), torch.bfloat16, 128)
+
+
+# ---------------------------------------------------------------- Hopper GPU
+
+HOPPER_CASES = {
+    # query lens, (heads, kv heads), head size, dtype, causal
+    "one_tile_edges": ([1, 63, 64, 65, 127, 128, 129], (32, 8), 128, torch.bfloat16, True),
+    "long_mixed": ([2048, 300, 1000, 17], (32, 8), 128, torch.bfloat16, True),
+    "fp16_non_causal": ([1, 200, 513], (32, 8), 128, torch.float16, False),
+    "mha_head_64": ([5, 64, 200, 511], (16, 16), 64, torch.bfloat16, True),
+    "gqa_7_head_128": ([333, 77], (28, 4), 128, torch.float16, True),
+    "head_256": ([5, 64, 200, 511], (8, 2), 256, torch.bfloat16, True),
+    "head_256_non_causal": ([130, 7], (8, 1), 256, torch.float16, False),
+}
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("case", list(HOPPER_CASES))
+def test_gpu_hopper_prefill_matches_reference(
+    case: str, stages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    query_lens, (heads, kv_heads), head_size, dtype, causal = HOPPER_CASES[case]
+    spec = AttentionSpec(heads, kv_heads, head_size, block_size=16, dtype=dtype, causal=causal)
+    batch = _prefill(spec, query_lens)
+    batch.plan.provider.hopper_prefill_stages = stages
+    launches = _count_hopper_launches(monkeypatch)
+    assert_matches_reference(batch, attend_with_own_rows(batch))
+    assert launches == [1]
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_hopper_prefill_writes_the_log_sum_exp(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=dtype)
+    batch = _prefill(spec, [1, 129, 700])
+    launches = _count_hopper_launches(monkeypatch)
+    out = torch.full_like(batch.query, float("nan"))
+    lse = torch.full((batch.query.shape[0], 32), float("nan"), device=batch.device)
+    batch.plan.provider.attend(
+        batch.query, batch.key_cache, batch.value_cache, batch.plan, out,
+        batch.key, batch.value, lse=lse,
+    )  # fmt: skip
+    assert launches == [1]
+    assert_matches_reference(batch, out)
+    real = batch.plan.num_actual_tokens
+    expected = []
+    for r, n in enumerate(batch.query_lens):
+        start = sum(batch.query_lens[:r])
+        q = batch.query[start : start + n].float().cpu()
+        k = batch.keys[r].float().repeat_interleave(4, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * spec.softmax_scale
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        expected.append(torch.logsumexp(scores, -1).T)
+    torch.testing.assert_close(lse[:real].cpu(), torch.cat(expected), atol=2e-3, rtol=2e-3)
+    assert lse[real:].isnan().all(), "padding rows of lse must be left untouched"
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"sliding_window": 100},
+        {"logits_soft_cap": 30.0},
+        {"dtype": torch.float32},
+        {"head_size": 96},
+    ],
+    ids=["window", "soft_cap", "float32", "head_96"],
+)
+def test_gpu_what_the_hopper_kernel_lacks_stays_portable(
+    features: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fields = {"dtype": torch.bfloat16, "head_size": 128, **features}
+    spec = AttentionSpec(16, 4, block_size=16, **fields)
+    batch = _prefill(spec, [300, 5])
+    launches = _count_hopper_launches(monkeypatch)
+    assert_matches_reference(batch, attend_with_own_rows(batch))
+    assert launches == []
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_gpu_hopper_prefill_off_or_untested_triton_keeps_the_portable_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    batch = _prefill(spec, [300, 5])
+    launches = _count_hopper_launches(monkeypatch)
+    batch.plan.provider.hopper_prefill = False
+    assert_matches_reference(batch, attend_with_own_rows(batch))
+    batch.plan.provider.hopper_prefill = True
+    monkeypatch.setattr(triton_provider, "_GLUON_TRITON_VERSIONS", ())
+    triton_provider._hopper_prefill_kernels.cache_clear()
+    try:
+        assert triton_provider._hopper_prefill_kernels(torch.device("cuda")) is None
+        assert_matches_reference(batch, attend_with_own_rows(batch))
+    finally:
+        triton_provider._hopper_prefill_kernels.cache_clear()
+    assert launches == []
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_gpu_hopper_prefill_replays_in_a_graph_on_refreshed_inputs() -> None:
+    """Captured with one batch's rows, replayed after the next batch of the same shape
+    is copied into them (the descriptors hold the buffers' addresses)."""
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    first, second = _prefill(spec, [700, 129, 3]), Batch(spec, [700, 129, 3], [0] * 3, seed=4)
+    provider: TritonProvider = first.plan.provider
+    out = torch.full_like(first.query, float("nan"))
+
+    def attend() -> None:
+        provider.attend(
+            first.query, first.key_cache, first.value_cache, first.plan, out,
+            first.key, first.value,
+        )  # fmt: skip
+
+    attend()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attend()
+    for name in ("query", "key", "value"):
+        getattr(first, name)[: getattr(second, name).shape[0]].copy_(getattr(second, name))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    second_out = out[: second.query.shape[0]]
+    real = second.plan.num_actual_tokens
+    tol = 3e-2
+    torch.testing.assert_close(
+        second_out[:real].float().cpu(), second.reference(), atol=tol, rtol=tol
+    )
