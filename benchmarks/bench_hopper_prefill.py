@@ -2,7 +2,8 @@
 
 Checks each kernel against SDPA (float32 reference) on several batches, then times
 8 x 2048 causal (32 / 8 heads, head size 128, bf16) for the Hopper kernel at 2 and 3
-stages, the portable kernel on the same contiguous rows, and SDPA's cuDNN / flash.
+stages in both orders of its (query tile, head) pairs, the portable kernel on the same
+contiguous rows, and SDPA's cuDNN / flash.
 
     python benchmarks/bench_hopper_prefill.py
 """

@@ -8,7 +8,10 @@ kernel orders the work itself, in the way FlashAttention-3 does on Hopper:
   ring of shared-memory stages, signalling each stage on an mbarrier;
 - two consumer warpgroups each take 64 of the program's 128 query rows; each issues
   the next tile's scores (``Q @ K^T``) and this tile's ``P @ V`` as asynchronous
-  warpgroup MMAs and computes the softmax while the ``P @ V`` runs.
+  warpgroup MMAs and computes the softmax while the ``P @ V`` runs;
+- the grid is persistent, a program per multiprocessor going through (query tile,
+  head) pairs, longest first: the loader fetches the next pair's tiles while the
+  consumers finish the current one.
 
 It covers what a prefill without cached context needs: causal or not, any number of
 requests packed along the token axis (varlen), GQA, head sizes 64/128/256 (16-bit),
@@ -85,7 +88,7 @@ def hopper_prefill(
     causal: bool = True,
     lse: torch.Tensor | None = None,
     stages: int = 2,
-    heads_first: bool = False,
+    heads_first: bool = True,
 ) -> None:
     """Attention of each request's queries over its own keys, written into ``out``.
 
@@ -99,8 +102,9 @@ def hopper_prefill(
             row's scaled scores.
         stages: K/V tiles in flight: 2 or 3 (3 needs 224 KB of shared memory at head
             size 128; head size 256 always takes 2).
-        heads_first: launch order; ``False``: a head's query tiles one after another
-            (last tiles first), ``True``: every head of one query tile, then the next.
+        heads_first: order of the (query tile, head) pairs, last tiles of each request
+            first: ``True``: every head of one query tile, then the next tile;
+            ``False``: a head's query tiles one after another, then the next head.
 
     The caller checks :func:`hopper_prefill_supported`. Rows past
     ``cu_seqlens_q[-1]`` are left untouched.
@@ -118,9 +122,9 @@ def hopper_prefill(
     v_desc = _row_descriptor(value, block_n, dtype)
     write_lse = lse is not None
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
-    grid = (num_tokens // BLOCK_M + num_reqs, num_heads)
-    if heads_first:
-        grid = grid[::-1]
+    num_slots = num_tokens // BLOCK_M + num_reqs
+    num_pairs = num_slots * num_heads
+    grid = (min(num_pairs, _multiprocessor_count(query.device)),)
     _hopper_prefill_kernel[grid](
         q_desc,
         k_desc,
@@ -129,6 +133,8 @@ def hopper_prefill(
         lse_arg,
         cu_seqlens_q,
         num_reqs,
+        num_slots,
+        num_pairs,
         out.stride(0),
         out.stride(1),
         *lse_strides,
@@ -148,6 +154,11 @@ def key_tile(head_size: int) -> int:
     """Keys per tile: 128, or 64 at head size 256 (two stages of K and V then fit the
     shared memory beside the query tile)."""
     return 128 if head_size <= 128 else 64
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=32)
@@ -173,11 +184,15 @@ if HAVE_GLUON:
 
         causal: gl.constexpr
         write_lse: gl.constexpr
+        heads_first: gl.constexpr
+        queries_per_kv: gl.constexpr
 
         @gluon.constexpr_function
-        def __init__(self, causal, write_lse):
+        def __init__(self, causal, write_lse, heads_first, queries_per_kv):
             self.causal = gl.constexpr(causal)
             self.write_lse = gl.constexpr(write_lse)
+            self.heads_first = gl.constexpr(heads_first)
+            self.queries_per_kv = gl.constexpr(queries_per_kv)
 
     @gluon.jit
     def _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q: gl.constexpr):
@@ -194,33 +209,82 @@ if HAVE_GLUON:
         return lo
 
     @gluon.jit
+    def _work(
+        pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+        HEADS_FIRST: gl.constexpr,
+    ):  # fmt: skip
+        """Where (query tile, head) pair ``pair`` lies: whether the tile holds rows of
+        its request, the request's first token and length, the tile within the request
+        (in blocks of ``BLOCK_M``), the head, the key tiles to visit and how many of
+        them, leading, need no mask. Last tiles of a request see the most keys: they
+        come first."""
+        if HEADS_FIRST:
+            tile_slot = num_slots - 1 - pair // num_heads
+            head = pair % num_heads
+        else:
+            tile_slot = num_slots - 1 - pair % num_slots
+            head = pair // num_slots
+        req = _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_M)
+        q_start = gl.load(cu_seqlens_q_ptr + req)
+        q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
+        q_tile = tile_slot - (q_start // BLOCK_M + req)
+        kv_hi = q_len
+        num_full = q_len // BLOCK_N
+        if CAUSAL:
+            kv_hi = gl.minimum(q_len, (q_tile + 1) * BLOCK_M)
+            num_full = (q_tile * BLOCK_M) // BLOCK_N
+        num_tiles = gl.cdiv(kv_hi, BLOCK_N)
+        valid = q_tile * BLOCK_M < q_len
+        return valid, q_start, q_len, q_tile, head, num_tiles, num_full
+
+    @gluon.jit
     def _load_partition(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
-        q_row, kv_row, q_col, kv_col, num_tiles,
+        cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs, flags,
     ):  # fmt: skip
-        """One warp: both query halves, then K and V tiles into the stage ring."""
-        q_bars, k_ready, v_ready, k_empty, v_empty = bars
+        """One warp: for each pair, both query halves, then K and V tiles into the
+        stage ring (a running count of tiles sets each stage's phase)."""
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
         rows: gl.constexpr = q_desc.block_type.shape[0]
+        HEAD: gl.constexpr = q_desc.block_type.shape[1]
         block_n: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
-        for half in gl.static_range(2):
-            mbarrier.expect(q_bars.index(half), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                q_desc, [q_row + half * rows, q_col], q_bars.index(half), q_smem.index(half)
-            )
-        for j in range(num_tiles):
-            stage = j % STAGES
-            empty_phase = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as emptied once
-            mbarrier.wait(k_empty.index(stage), empty_phase)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [kv_row + j * block_n, kv_col], k_ready.index(stage), k_smem.index(stage)
-            )
-            mbarrier.wait(v_empty.index(stage), empty_phase)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [kv_row + j * block_n, kv_col], v_ready.index(stage), v_smem.index(stage)
-            )
+        QUERIES_PER_KV: gl.constexpr = flags.queries_per_kv
+        count = 0
+        done = 0
+        for pair in range(gl.program_id(0), num_pairs, gl.num_programs(0)):
+            valid, q_start, _, q_tile, head, num_tiles, _ = _work(
+                pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
+                2 * rows, block_n, flags.causal, flags.heads_first,
+            )  # fmt: skip
+            if valid:
+                kv_col = (head // QUERIES_PER_KV) * HEAD
+                for half in gl.static_range(2):
+                    mbarrier.wait(q_empty.index(half), (done & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(
+                        q_desc,
+                        [q_start + q_tile * 2 * rows + half * rows, head * HEAD],
+                        q_ready.index(half),
+                        q_smem.index(half),
+                    )
+                for j in range(num_tiles):
+                    stage = count % STAGES
+                    empty_phase = ((count // STAGES) & 1) ^ 1  # a fresh barrier counts as emptied
+                    row = q_start + j * block_n
+                    mbarrier.wait(k_empty.index(stage), empty_phase)
+                    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(
+                        k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
+                    )
+                    mbarrier.wait(v_empty.index(stage), empty_phase)
+                    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(
+                        v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
+                    )
+                    count += 1
+                done += 1
 
     @gluon.jit
     def _masked_scores(
@@ -237,17 +301,47 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer_partition(
         q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
-        half, q_start, q_tile, q_len, head, num_tiles, num_full,
-        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags,
+        cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
+        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, half,
     ):  # fmt: skip
-        """One warpgroup: 64 query rows against every tile, the softmax of tile ``j``
-        overlapping the ``P @ V`` of tile ``j - 1``."""
-        q_bars, k_ready, v_ready, k_empty, v_empty = bars
+        """One warpgroup: 64 query rows of each pair against its key tiles."""
+        q_ready = bars[0]
+        rows: gl.constexpr = q_smem.type.shape[1]
+        block_n: gl.constexpr = k_smem.type.shape[1]
+        count = 0
+        done = 0
+        for pair in range(gl.program_id(0), num_pairs, gl.num_programs(0)):
+            valid, q_start, q_len, q_tile, head, num_tiles, num_full = _work(
+                pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
+                2 * rows, block_n, flags.causal, flags.heads_first,
+            )  # fmt: skip
+            if valid:
+                mbarrier.wait(q_ready.index(half), done & 1)
+                o, m_i, l_i, first_row = _attend_tile(
+                    q_smem, k_smem, v_smem, bars, half, count, q_tile, q_len, num_tiles,
+                    num_full, qk_scale, flags.causal,
+                )  # fmt: skip
+                _store_rows(
+                    o, m_i, l_i, out_ptr, lse_ptr, q_start, first_row, q_len, head,
+                    stride_ot, stride_oh, stride_lt, stride_lh, flags.write_lse,
+                )  # fmt: skip
+                count += num_tiles
+                done += 1
+
+    @gluon.jit
+    def _attend_tile(
+        q_smem, k_smem, v_smem, bars, half, count, q_tile, q_len,
+        num_tiles, num_full, qk_scale, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """The softmax of key tile ``j`` overlapping the ``P @ V`` of tile ``j - 1``;
+        ``count``: key tiles this program consumed before. Releases the query half once
+        its last scores are in. Returns the unnormalized output, the running max and
+        sum (log2 domain) and the half's first row within its request."""
+        _, q_empty, k_ready, v_ready, k_empty, v_empty = bars
         rows: gl.constexpr = q_smem.type.shape[1]
         HEAD: gl.constexpr = q_smem.type.shape[2]
         STAGES: gl.constexpr = k_smem.type.shape[0]
         block_n: gl.constexpr = k_smem.type.shape[1]
-        CAUSAL: gl.constexpr = flags.causal
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16]
         )
@@ -261,13 +355,15 @@ if HAVE_GLUON:
         row_pos = first_row + gl.arange(0, rows, layout=gl.SliceLayout(1, s_layout))
         q = q_smem.index(half)
         zero_s = gl.zeros([rows, block_n], gl.float32, layout=s_layout)
-        mbarrier.wait(q_bars.index(half), 0)
 
         # Tile 0: its scores alone.
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s, q, k_smem.index(0)))[0]
-        mbarrier.arrive(k_empty.index(0), count=1)
+        stage = count % STAGES
+        mbarrier.wait(k_ready.index(stage), (count // STAGES) & 1)
+        s = warpgroup_mma(
+            q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
+        )
+        s = warpgroup_mma_wait(0, deps=(s, q, k_smem.index(stage)))[0]
+        mbarrier.arrive(k_empty.index(stage), count=1)
         if num_full == 0:
             s = _masked_scores(s, row_pos, 0, q_len, block_n, s_layout, CAUSAL)
         m_i = gl.max(s, axis=1) * qk_scale
@@ -276,13 +372,13 @@ if HAVE_GLUON:
         o = gl.zeros([rows, HEAD], gl.float32, layout=o_layout)
 
         for j in range(1, num_tiles):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            stage = (count + j) % STAGES
+            prev = (count + j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), ((count + j) // STAGES) & 1)
             s_tok = warpgroup_mma(
                 q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((count + j - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_tok, k_smem.index(stage)))[0]
@@ -297,95 +393,86 @@ if HAVE_GLUON:
             o = warpgroup_mma_wait(0, deps=(o_tok, v_smem.index(prev), p_op))[0]
             mbarrier.arrive(v_empty.index(prev), count=1)
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.arrive(q_empty.index(half), count=1)
 
-        last = (num_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
+        last = (count + num_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((count + num_tiles - 1) // STAGES) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o, v_smem.index(last), p_op))[0]
         mbarrier.arrive(v_empty.index(last), count=1)
+        return o, m_i, l_i, first_row
 
+    @gluon.jit
+    def _store_rows(
+        o, m_i, l_i, out_ptr, lse_ptr, q_start, first_row, q_len, head,
+        stride_ot, stride_oh, stride_lt, stride_lh, WRITE_LSE: gl.constexpr,
+    ):  # fmt: skip
+        """Normalize and write a half's rows of ``out`` (and of ``lse``)."""
+        o_layout: gl.constexpr = o.type.layout
+        rows: gl.constexpr = o.type.shape[0]
+        HEAD: gl.constexpr = o.type.shape[1]
         o = o / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         out_rows = first_row + gl.arange(0, rows, layout=gl.SliceLayout(1, o_layout))
         cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
         token = (q_start + out_rows).to(gl.int64)
         dst = out_ptr + token[:, None] * stride_ot + head * stride_oh + cols[None, :]
         gl.store(dst, o.to(out_ptr.dtype.element_ty), mask=(out_rows < q_len)[:, None])
-        if flags.write_lse:
+        if WRITE_LSE:
+            row_pos = first_row + gl.arange(0, rows, layout=m_i.type.layout)
             lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
             lse_token = (q_start + row_pos).to(gl.int64)
             gl.store(lse_ptr + lse_token * stride_lt + head * stride_lh, lse, mask=row_pos < q_len)
 
     @gluon.jit
     def _hopper_prefill_kernel(
-        q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, num_reqs,
-        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+        q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, num_reqs, num_slots,
+        num_pairs, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
         QUERIES_PER_KV: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HEADS_FIRST: gl.constexpr,
     ):  # fmt: skip
         rows: gl.constexpr = q_desc.block_type.shape[0]
         block_n: gl.constexpr = k_desc.block_type.shape[0]
-        block_m: gl.constexpr = 2 * rows
-        # Last tiles of a request see the most keys: start them first.
-        if HEADS_FIRST:
-            tile_slot = gl.num_programs(1) - 1 - gl.program_id(1)
-            head = gl.program_id(0)
-        else:
-            tile_slot = gl.num_programs(0) - 1 - gl.program_id(0)
-            head = gl.program_id(1)
-        req = _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, block_m)
-        q_start = gl.load(cu_seqlens_q_ptr + req)
-        q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
-        q_tile = tile_slot - (q_start // block_m + req)
-        if q_tile * block_m < q_len:
-            kv_hi = q_len
-            num_full = q_len // block_n
-            if CAUSAL:
-                kv_hi = gl.minimum(q_len, (q_tile + 1) * block_m)
-                num_full = (q_tile * block_m) // block_n
-            num_tiles = gl.cdiv(kv_hi, block_n)
-
-            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, rows, HEAD], q_desc.layout)
-            k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, block_n, HEAD], k_desc.layout)
-            v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, block_n, HEAD], v_desc.layout)
-            q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(q_bars.index(i), count=1)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(k_ready.index(i), count=1)
-                mbarrier.init(v_ready.index(i), count=1)
-                mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
-                mbarrier.init(v_empty.index(i), count=2)
-            bars = (q_bars, k_ready, v_ready, k_empty, v_empty)
-            flags = _Flags(CAUSAL, WRITE_LSE)
-
-            q_row = q_start + q_tile * block_m
-            q_col = head * HEAD
-            kv_col = (head // QUERIES_PER_KV) * HEAD
-            consumer_args = (
-                q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
-                0, q_start, q_tile, q_len, head, num_tiles, num_full,
-                stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags,
-            )  # fmt: skip
-            second_consumer_args = (
-                q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
-                1, q_start, q_tile, q_len, head, num_tiles, num_full,
-                stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags,
-            )  # fmt: skip
-            load_args = (
-                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
-                q_row, q_start, q_col, kv_col, num_tiles,
-            )  # fmt: skip
-            gl.warp_specialize(
-                [
-                    (_consumer_partition, consumer_args),
-                    (_consumer_partition, second_consumer_args),
-                    (_load_partition, load_args),
-                ],
-                [4, 1],
-                [240, 24],
-            )
+        num_heads = num_pairs // num_slots
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, rows, HEAD], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, block_n, HEAD], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, block_n, HEAD], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+            mbarrier.init(v_empty.index(i), count=2)
+        bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
+        flags = _Flags(CAUSAL, WRITE_LSE, HEADS_FIRST, QUERIES_PER_KV)
+        first_consumer_args = (
+            q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
+            cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
+            stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 0,
+        )  # fmt: skip
+        second_consumer_args = (
+            q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
+            cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
+            stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 1,
+        )  # fmt: skip
+        load_args = (
+            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
+            cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs, flags,
+        )  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_consumer_partition, first_consumer_args),
+                (_consumer_partition, second_consumer_args),
+                (_load_partition, load_args),
+            ],
+            [4, 1],
+            [240, 40],
+        )
