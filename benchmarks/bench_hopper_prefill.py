@@ -5,10 +5,14 @@ Checks each kernel against SDPA (float32 reference) on several batches, then tim
 stages in both orders of its (query tile, head) pairs, the portable kernel on the same
 contiguous rows, and SDPA's cuDNN / flash.
 
-    python benchmarks/bench_hopper_prefill.py
+    python benchmarks/bench_hopper_prefill.py [--variants all] [--rounds 3]
 """
 
 from __future__ import annotations
+
+import argparse
+import functools
+import statistics
 
 import _timing  # first: puts the packages' src on sys.path
 import torch
@@ -54,7 +58,8 @@ def reference(q, k, v, cu, causal, scale):
     return torch.cat(outs), torch.cat(lses)
 
 
-def check(device):
+def check(device, names):
+    """Each variant in ``names`` against the float32 reference, output and LSE."""
     cases = [
         ([2048] * 2, 32, 8, 128, torch.bfloat16, True),
         ([1, 17, 128, 129, 300, 1000], 32, 8, 128, torch.bfloat16, True),
@@ -69,60 +74,56 @@ def check(device):
         assert hopper_prefill_supported(q, k, v, q), (lens, heads, head_size)
         scale = head_size**-0.5
         ref, ref_lse = reference(q, k, v, cu, causal, scale)
-        for stages in (2, 3) if head_size <= 128 else (2,):
+        for name in names:
             out = torch.full_like(q, float("nan"))
             lse = torch.full((q.shape[0], heads), float("nan"), device=device)
-            hopper_prefill(q, k, v, out, cu, scale=scale, causal=causal, lse=lse, stages=stages)
+            hopper_prefill(q, k, v, out, cu, scale=scale, causal=causal, lse=lse, **VARIANTS[name])
             err = (out.float() - ref).abs().max().item()
             lse_err = (lse - ref_lse).abs().max().item()
             ok = err < 2e-2 and lse_err < 1e-3
             print(
                 f"check lens={lens} heads={heads}/{kv_heads} d={head_size} {dtype} causal={causal} "
-                f"stages={stages}: max err {err:.2e}, lse err {lse_err:.2e} {'ok' if ok else 'FAIL'}"
+                f"{name}: max err {err:.2e}, lse err {lse_err:.2e} {'ok' if ok else 'FAIL'}"
             )
             worst = max(worst, err)
     return worst
 
 
+# Launch variants of the Hopper kernel timed side by side (keyword arguments of
+# ``hopper_prefill``); ``--variants all`` times every one.
+VARIANTS = {
+    "default": {},
+    "tiles_first": {"heads_first": False},
+    "3_stages": {"stages": 3},
+    "program_per_pair": {"persistent": False},
+    "program_per_pair_tiles_first": {"persistent": False, "heads_first": False},
+}
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="default", help="comma-separated, or 'all'")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    args = parser.parse_args()
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     device = _timing.require_cuda()
-    check(device)
+    check(device, names)
     batch, n, heads, kv_heads, head_size = 8, 2048, 32, 8, 128
     q, k, v, cu = packed([n] * batch, heads, kv_heads, head_size, torch.bfloat16, device)
     scale = head_size**-0.5
     flops = 4 * batch * heads * head_size * n * (n + 1) / 2
     out = torch.empty_like(q)
     seq = torch.full((batch,), n, dtype=torch.int32, device=device)
-    rows = []
-
-    def add(name, fn):
-        ms = _timing.median_ms(fn)
-        rows.append({"kernel": name, "ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12})
-
-    for stages in (2, 3):
-        for heads_first in (False, True):
-            add(
-                f"hopper stages={stages} heads_first={heads_first}",
-                lambda s=stages, h=heads_first: hopper_prefill(
-                    q, k, v, out, cu, scale=scale, stages=s, heads_first=h
-                ),
-            )
-    add(
-        "portable 128x128",
-        lambda: paged_attention(
-            q,
-            k,
-            v,
-            out,
-            cu,
-            seq,
-            None,
-            config=PORTABLE,
-            decode_tiles=False,
-            scale=scale,
-            paged=False,
-        ),
-    )
+    kernels = {
+        f"hopper {name}": functools.partial(
+            hopper_prefill, q, k, v, out, cu, scale=scale, **VARIANTS[name]
+        )
+        for name in names
+    }
+    kernels["portable 128x128"] = functools.partial(
+        paged_attention, q, k, v, out, cu, seq, None, config=PORTABLE, decode_tiles=False,
+        scale=scale, paged=False,
+    )  # fmt: skip
     qs = q.view(batch, n, heads, head_size).transpose(1, 2)
     ks = k.view(batch, n, kv_heads, head_size).transpose(1, 2)
     vs = v.view(batch, n, kv_heads, head_size).transpose(1, 2)
@@ -132,7 +133,24 @@ def main():
             lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True),
         )
         if runner is not None:
-            add(f"sdpa {backend}", runner)
+            kernels[f"sdpa {backend}"] = runner
+    times = {name: [] for name in kernels}
+    for _ in range(args.rounds):  # interleaved, so that clock drift hits every kernel alike
+        for name, fn in kernels.items():
+            times[name].append(_timing.median_ms(fn))
+    cudnn = statistics.median(times.get("sdpa cudnn", [float("nan")]))
+    rows = []
+    for name, samples in times.items():
+        ms = statistics.median(samples)
+        rows.append(
+            {
+                "kernel": name,
+                "ms": ms,
+                "TFLOP/s": flops / (ms * 1e-3) / 1e12,
+                "vs_cudnn": cudnn / ms,
+                "spread_%": 100 * (max(samples) - min(samples)) / ms,
+            }
+        )
     _timing.print_table(list(rows[0]), rows)
     _timing.write_json("hopper_prefill", {"environment": _timing.environment(device), "rows": rows})
 

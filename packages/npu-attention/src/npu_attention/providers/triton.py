@@ -111,9 +111,10 @@ class TritonProvider(AttentionProvider):
         # capability 9.x with Triton 3.6: the Gluon kernel of ``hopper_prefill.py`` (a TMA
         # loader warp, two consumer warpgroups, the softmax overlapping ``P @ V``, one
         # persistent program per multiprocessor). On an H100, 8 x 2048 causal (32 / 8
-        # heads, head size 128, bf16): 472 TFLOP/s with 2 stages and every head of a query
-        # tile in turn, 443-444 with 3 stages or a head's tiles in turn, against 381 for
-        # ``prefill_launch``'s tiles on the same rows and 495 for cuDNN.
+        # heads, head size 128, bf16), medians of 4 interleaved rounds: 463 TFLOP/s with
+        # 2 stages, 467 with 3 (within the rounds' 4-8 % spread), 427 with a program per
+        # (query tile, head), against 371 for ``prefill_launch``'s tiles on the same rows
+        # and 489 for cuDNN.
         self.hopper_prefill = True
         self.hopper_prefill_stages = 2
         self.hopper_prefill_heads_first = True

@@ -89,6 +89,7 @@ def hopper_prefill(
     lse: torch.Tensor | None = None,
     stages: int = 2,
     heads_first: bool = True,
+    persistent: bool = True,
 ) -> None:
     """Attention of each request's queries over its own keys, written into ``out``.
 
@@ -105,6 +106,8 @@ def hopper_prefill(
         heads_first: order of the (query tile, head) pairs, last tiles of each request
             first: ``True``: every head of one query tile, then the next tile;
             ``False``: a head's query tiles one after another, then the next head.
+        persistent: a program per multiprocessor walking its pairs; ``False``: a
+            program per pair (slower on an H100, kept for comparison).
 
     The caller checks :func:`hopper_prefill_supported`. Rows past
     ``cu_seqlens_q[-1]`` are left untouched.
@@ -124,7 +127,7 @@ def hopper_prefill(
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     num_slots = num_tokens // BLOCK_M + num_reqs
     num_pairs = num_slots * num_heads
-    grid = (min(num_pairs, _multiprocessor_count(query.device)),)
+    grid = (min(num_pairs, _multiprocessor_count(query.device)) if persistent else num_pairs,)
     _hopper_prefill_kernel[grid](
         q_desc,
         k_desc,
@@ -474,5 +477,5 @@ if HAVE_GLUON:
                 (_load_partition, load_args),
             ],
             [4, 1],
-            [240, 40],
+            [240, 24],  # at 40 for the loader, ptxas spilled the consumers' registers
         )
