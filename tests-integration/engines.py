@@ -25,6 +25,9 @@ ENGINE = dict(
     seed=0,
 )
 
+# KV cache of each rank in the two-rank engines (tiny models, max_model_len 512).
+TWO_RANK_KV_CACHE_BYTES = 128 * 2**20
+
 # The real model (SmolLM2) at the sizes people serve it with; page size and token
 # budget are vLLM's own defaults rather than the small ones above.
 REAL_MODEL_ENGINE = dict(

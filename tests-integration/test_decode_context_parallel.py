@@ -23,7 +23,7 @@ import random
 
 import pytest
 from checkpoints import hf_greedy, write_checkpoint
-from engines import run_engines
+from engines import TWO_RANK_KV_CACHE_BYTES, run_engines
 from mla_checkpoints import write_mla_checkpoint
 
 # Prompts over several 64-token "virtual blocks" (32-token pages on each of 2 ranks);
@@ -31,7 +31,7 @@ from mla_checkpoints import write_mla_checkpoint
 _RNG = random.Random(13)
 PROMPTS = tuple([_RNG.randrange(3, 500) for _ in range(n)] for n in (5, 70, 130))
 MAX_TOKENS = (8, 5, 6)  # the decode batch shrinks as requests finish
-TP2 = dict(tensor_parallel_size=2, max_model_len=512, gpu_memory_utilization=0.05)
+TP2 = dict(tensor_parallel_size=2, max_model_len=512, kv_cache_memory_bytes=TWO_RANK_KV_CACHE_BYTES)
 FULL = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}
 ENGINES = {
     "dcp2-eager": {**TP2, "decode_context_parallel_size": 2, "enforce_eager": True},

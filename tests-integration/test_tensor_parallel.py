@@ -20,7 +20,7 @@ import random
 
 import pytest
 from checkpoints import hf_greedy, write_checkpoint
-from engines import run_engine
+from engines import TWO_RANK_KV_CACHE_BYTES, run_engine
 
 from npu_vllm_bridge.platforms.host import omp_threads_bind
 
@@ -33,8 +33,10 @@ MAX_TOKENS = (10, 6, 8)  # the decode batch shrinks as requests finish
 LAYOUTS = {"TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2}}
 TWO_RANK_ENGINE = dict(
     max_model_len=512,
-    # Each rank sizes its own KV cache from host memory: keep both small.
-    gpu_memory_utilization=0.05,
+    # Each rank's KV cache at a fixed size: a share of host memory (gpu_memory_utilization)
+    # is a share of the rank's NUMA node, which on a host of several nodes can be less
+    # than the worker process itself already holds.
+    kv_cache_memory_bytes=TWO_RANK_KV_CACHE_BYTES,
 )
 GRAPH_MODES = {
     "eager": {"enforce_eager": True},
