@@ -148,7 +148,7 @@ class TritonProvider(AttentionProvider):
                 plan.num_reqs, plan.spec.num_kv_heads, plan.max_seq_len, plan.device
             )
             programs = plan.num_reqs * plan.spec.num_kv_heads * num_kv_splits
-            one_wave = programs <= _multiprocessor_count(plan.device)
+            one_wave = programs <= _multiprocessors(plan.device)
         return TritonStepData(decode_tiles, num_kv_splits, one_wave)
 
     def write_kv(
@@ -288,9 +288,10 @@ class TritonProvider(AttentionProvider):
         self, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
     ) -> int:
         programs = max(1, num_reqs * num_kv_heads)
-        if programs >= self.min_unsplit_fill * _multiprocessor_count(device):
+        multiprocessors = _multiprocessors(device)
+        if programs >= self.min_unsplit_fill * multiprocessors:
             return 1
-        by_occupancy = -(-self.target_waves * _multiprocessor_count(device) // programs)
+        by_occupancy = -(-self.target_waves * multiprocessors // programs)
         by_length = -(-max_seq_len // self.min_tokens_per_split)
         return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
 
@@ -371,11 +372,11 @@ def _hopper_prefill_kernels(device: torch.device):
     return hopper_prefill if hopper_prefill.HAVE_GLUON else None
 
 
-@functools.lru_cache(maxsize=16)
-def _multiprocessor_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return os.cpu_count() or 1
+def _multiprocessors(device: torch.device) -> int:
+    # triton_kernels needs triton: imported on first use, like the kernels themselves.
+    from npu_attention.providers.triton_kernels.utils import multiprocessor_count
+
+    return multiprocessor_count(device)
 
 
 def _check_tokens(

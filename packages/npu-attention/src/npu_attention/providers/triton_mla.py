@@ -9,7 +9,6 @@ reference provider's PyTorch path on the same device.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -169,13 +168,8 @@ class TritonMLAProvider(ReferenceMLAProvider):
             return self.fixed_kv_splits
         head_groups = -(-plan.spec.num_heads // self.heads_per_program(plan.spec))
         programs = max(1, plan.num_decodes * head_groups)
-        by_occupancy = self.target_waves * _multiprocessor_count(plan.device) // programs
+        from npu_attention.providers.triton_kernels.utils import multiprocessor_count
+
+        by_occupancy = self.target_waves * multiprocessor_count(plan.device) // programs
         by_length = -(-plan.max_seq_len // self.min_tokens_per_split)
         return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
-
-
-@functools.lru_cache(maxsize=16)
-def _multiprocessor_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return os.cpu_count() or 1

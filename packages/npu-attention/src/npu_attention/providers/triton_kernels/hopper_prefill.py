@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from npu_attention.providers.triton_kernels.utils import multiprocessor_count
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -127,7 +129,7 @@ def hopper_prefill(
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     num_slots = num_tokens // BLOCK_M + num_reqs
     num_pairs = num_slots * num_heads
-    grid = (min(num_pairs, _multiprocessor_count(query.device)) if persistent else num_pairs,)
+    grid = (min(num_pairs, multiprocessor_count(query.device)) if persistent else num_pairs,)
     _hopper_prefill_kernel[grid](
         q_desc,
         k_desc,
@@ -157,11 +159,6 @@ def key_tile(head_size: int) -> int:
     """Keys per tile: 128, or 64 at head size 256 (two stages of K and V then fit the
     shared memory beside the query tile)."""
     return 128 if head_size <= 128 else 64
-
-
-@functools.lru_cache(maxsize=16)
-def _multiprocessor_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=32)

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
+import torch
+
 
 def next_power_of_2(n: int) -> int:
     """Smallest power of two ``>= n`` (``n >= 1``)."""
     return 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=16)
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; CPU cores elsewhere (the
+    interpreter), so that occupancy rules still give a count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
