@@ -16,7 +16,11 @@ the profiler's kernel durations summed per call (L2 cleared before each), and
 ``*_amortized_us``, one graph of 32 calls over 5 copies of the data (more than the L2
 holds), per call: the graph's launch floor shared by the calls.
 
-    python benchmarks/bench_decode_attention.py [--tune] [--quick]
+``triton_us`` is the provider as a user gets it: on a Hopper GPU with Triton 3.6, the
+Gluon decode kernel (``hopper_decode``); ``portable_us`` is the same provider with
+``hopper_decode`` off (the portable kernel), timed in the same run.
+
+    python benchmarks/bench_decode_attention.py [--tune] [--quick] [--stages]
 """
 
 from __future__ import annotations
@@ -249,6 +253,33 @@ def profile_kernels(device: torch.device) -> None:
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=6))
 
 
+def stages_sweep(device: torch.device) -> list[dict[str, Any]]:
+    """The Gluon decode at each ring depth and with the portable kernel, block 128 and
+    16, on the small-batch shapes, in one run with the best SDPA peer."""
+    rows = []
+    for batch, context in ((1, 4096), (16, 512), (4, 4096), (16, 4096), (64, 4096)):
+        problem = DecodeProblem(batch, context, device)
+        expected = problem.sdpa().float()
+        best_sdpa = min(
+            ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
+        )
+        for block_size, stages in itertools.product(BLOCK_SIZES, (0, 2, 4, 6)):
+            provider = TritonProvider()
+            provider.hopper_decode = stages > 0
+            provider.hopper_decode_stages = stages or None
+            result = measure(problem, provider, block_size, expected)
+            rows.append({
+                "batch": batch, "context": context, "block": block_size,
+                "stages": stages or "portable", "splits": result["kv_splits"],
+                "us": result["ms"] * 1e3, "best_sdpa_us": best_sdpa * 1e3,
+                "vs_best_sdpa": best_sdpa / result["ms"], "max_err": result["max_abs_err_vs_sdpa"],
+            })  # fmt: skip
+        del problem
+        torch.cuda.empty_cache()
+    _timing.print_table(list(rows[0]), rows)
+    return rows
+
+
 def peer_kernel_times(copies: list[DecodeProblem]) -> dict[str, float | str]:
     """Kernel-only times of the SDPA peers (``enable_gqa``) on ``copies`` of one problem."""
     times: dict[str, float | str] = {}
@@ -274,8 +305,14 @@ def main() -> None:
         action="store_true",
         help="only time pdl on/off, then launch x split choices, small batches",
     )
+    parser.add_argument(
+        "--stages", action="store_true", help="only the Gluon decode's ring depths, small batches"
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
+    if args.stages:
+        _timing.write_json("decode_stages", {"rows": stages_sweep(device)})
+        return
     if args.sweep:
         pdl_rows = pdl_sweep(device)
         _timing.write_json("decode_sweep", {"pdl_rows": pdl_rows, "rows": sweep(device)})
@@ -286,6 +323,8 @@ def main() -> None:
     copy_bw = _timing.copy_bandwidth(device)
     floor_ms = _timing.graph_launch_floor_ms(device)
     provider = TritonProvider()
+    portable = TritonProvider()
+    portable.hopper_decode = False
     tuning = None
     if args.tune:
         tuning = tune(device)
@@ -312,6 +351,7 @@ def main() -> None:
         for block_size in BLOCK_SIZES:
             result = measure(problem, provider, block_size, expected)
             us = result["ms"] * 1e3
+            portable_result = measure(problem, portable, block_size, expected)
             gbps = problem.kv_bytes / (us * 1e-6) / 1e9
             row = {
                 "batch": batch,
@@ -319,6 +359,7 @@ def main() -> None:
                 "block": block_size,
                 "splits": result["kv_splits"],
                 "triton_us": us,
+                "portable_us": portable_result["ms"] * 1e3,
             }
             for backend, value in peer_us.items():
                 row[f"{backend}_us"] = value if value is not None else "n/a"
@@ -326,7 +367,9 @@ def main() -> None:
             row["vs_best_sdpa"] = best_peer_us / us
             row["triton_GB/s"] = gbps
             row["bw_vs_copy"] = gbps * 1e9 / copy_bw
-            row["max_err"] = result["max_abs_err_vs_sdpa"]
+            row["max_err"] = max(
+                result["max_abs_err_vs_sdpa"], portable_result["max_abs_err_vs_sdpa"]
+            )
             if copies:
                 runners = [p.paged_runner(provider, block_size)[0] for p in copies]
                 row["triton_kernel_us"] = profiled_kernel_us(runners[0])

@@ -552,11 +552,19 @@ def test_gpu_forced_kv_splits(num_kv_splits: int) -> None:
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_gpu_decode_launch_choices(
-    num_reqs: int, query_len: int, longest: int, expected: tuple, head_size: int, block_size: int
+    num_reqs: int,
+    query_len: int,
+    longest: int,
+    expected: tuple,
+    head_size: int,
+    block_size: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every decode launch the heuristics pick on this GPU, against the reference."""
+    """Every decode launch the heuristics pick on this GPU for the portable kernel (the
+    Hopper decode's choices: ``test_triton_hopper_decode``), against the reference."""
     if torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("the expected choices are an H100's")
+    monkeypatch.setattr(TritonProvider, "_hopper_decode_takes", lambda *_: False)
     spec = AttentionSpec(
         32, 8, head_size, block_size=block_size, dtype=torch.bfloat16,
         num_speculative_tokens=query_len - 1,

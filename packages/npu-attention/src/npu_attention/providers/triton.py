@@ -15,6 +15,7 @@ the prefill tiles of contiguous keys. Every other batch reads keys from the page
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -41,12 +42,14 @@ class TritonStepData:
     most ``1 + num_speculative_tokens`` query tokens); ``num_kv_splits``: programs
     along each decode request's keys (1 = no split); ``one_wave``: a decode whose
     programs (splits included) fit one per multiprocessor, launched with the wider
-    ``decode_launch_one_wave`` tiles.
+    ``decode_launch_one_wave`` tiles; ``hopper_decode``: the decode goes to the Gluon
+    kernel of ``hopper_decode.py`` (splits chosen for one program per multiprocessor).
     """
 
     decode_tiles: bool
     num_kv_splits: int
     one_wave: bool = False
+    hopper_decode: bool = False
 
 
 class TritonProvider(AttentionProvider):
@@ -118,6 +121,12 @@ class TritonProvider(AttentionProvider):
         self.hopper_prefill = True
         self.hopper_prefill_stages = 2
         self.hopper_prefill_heads_first = True
+        # Decodes reading the pages, on the same GPUs and Triton, without a sliding
+        # window or soft cap: the Gluon kernel of ``hopper_decode.py`` (a TMA loader warp
+        # keeping up to ``hopper_decode_stages`` K/V tiles in flight, ``None``: as many as
+        # 192 KiB hold; one program per multiprocessor).
+        self.hopper_decode = True
+        self.hopper_decode_stages: int | None = None
         # Pages smaller than a K/V tile of ``prefill_launch``: keys are gathered row by
         # row, and tiles of one warpgroup with a shallower pipeline did better on an H100.
         self.prefill_launch_small_pages: dict[str, int] = {
@@ -142,14 +151,28 @@ class TritonProvider(AttentionProvider):
 
     def prepare(self, plan: AttentionPlan) -> TritonStepData:
         decode_tiles = plan.state in _DECODE_STATES
-        num_kv_splits, one_wave = 1, False
+        num_kv_splits, one_wave, gluon = 1, False, False
         if decode_tiles:
+            gluon = self._hopper_decode_takes(plan.spec, plan.device)
             num_kv_splits = self._num_kv_splits(
-                plan.num_reqs, plan.spec.num_kv_heads, plan.max_seq_len, plan.device
+                plan.num_reqs, plan.spec.num_kv_heads, plan.max_seq_len, plan.device, gluon
             )
             programs = plan.num_reqs * plan.spec.num_kv_heads * num_kv_splits
             one_wave = programs <= _multiprocessors(plan.device)
-        return TritonStepData(decode_tiles, num_kv_splits, one_wave)
+        return TritonStepData(decode_tiles, num_kv_splits, one_wave, gluon)
+
+    def _hopper_decode_takes(self, spec: AttentionSpec, device: torch.device) -> bool:
+        """Whether decodes of ``spec`` on ``device`` go to the Gluon decode kernel (the
+        tensors are checked again at ``attend``)."""
+        if not self.hopper_decode or spec.sliding_window is not None or not spec.causal:
+            return False
+        if spec.logits_soft_cap is not None:
+            return False
+        kernels = _hopper_decode_kernels(device)
+        rows = spec.num_queries_per_kv * (1 + spec.num_speculative_tokens)
+        return kernels is not None and kernels.shape_supported(
+            spec.head_size, spec.dtype, spec.block_size, rows
+        )
 
     def write_kv(
         self,
@@ -213,6 +236,12 @@ class TritonProvider(AttentionProvider):
             if self._attend_hopper_prefill(query, k, v, out, plan, lse):
                 return
         decode_tiles = step.decode_tiles and paged
+        if (
+            decode_tiles
+            and step.hopper_decode
+            and self._attend_hopper_decode(query, k, v, out, plan, step, lse)
+        ):
+            return
         paged_attention(
             query,
             k,
@@ -266,6 +295,43 @@ class TritonProvider(AttentionProvider):
         )
         return True
 
+    def _attend_hopper_decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        out: torch.Tensor,
+        plan: AttentionPlan,
+        step: TritonStepData,
+        lse: torch.Tensor | None,
+    ) -> bool:
+        """Run a decode through the Gluon kernel when it takes the call's tensors;
+        ``False``: nothing ran, and the portable kernel serves it."""
+        spec = plan.spec
+        kernels = _hopper_decode_kernels(query.device)
+        tokens_per_req = 1 + spec.num_speculative_tokens
+        rows = spec.num_queries_per_kv * tokens_per_req
+        if not self.hopper_decode or kernels is None:
+            return False
+        if not kernels.hopper_decode_supported(query, key_cache, value_cache, out, rows):
+            return False
+        kernels.hopper_decode(
+            query,
+            key_cache,
+            value_cache,
+            out,
+            plan.cu_seqlens_q,
+            plan.seq_lens,
+            plan.block_tables,
+            scale=spec.softmax_scale,
+            tokens_per_req=tokens_per_req,
+            num_splits=step.num_kv_splits,
+            lse=lse,
+            stages=self.hopper_decode_stages,
+            pdl=bool(self.decode_launch.get("pdl")) and _pdl_supported(query.device),
+        )
+        return True
+
     def _launch_config(
         self,
         spec: AttentionSpec,
@@ -285,13 +351,25 @@ class TritonProvider(AttentionProvider):
         return _launch_config(spec, decode_tiles, num_kv_splits, tuple(sorted(launch.items())))
 
     def _num_kv_splits(
-        self, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+        self,
+        num_reqs: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        device: torch.device,
+        one_wave: bool = False,
     ) -> int:
+        """Programs along each decode request's keys: none when the requests' programs
+        already fill ``min_unsplit_fill`` of the multiprocessors, else enough for
+        ``target_waves`` programs per multiprocessor (``one_wave``: as many as fit one
+        per multiprocessor), in shares of at least ``min_tokens_per_split`` keys."""
         programs = max(1, num_reqs * num_kv_heads)
         multiprocessors = _multiprocessors(device)
         if programs >= self.min_unsplit_fill * multiprocessors:
             return 1
-        by_occupancy = -(-self.target_waves * multiprocessors // programs)
+        if one_wave:
+            by_occupancy = multiprocessors // programs
+        else:
+            by_occupancy = -(-self.target_waves * multiprocessors // programs)
         by_length = -(-max_seq_len // self.min_tokens_per_split)
         return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
 
@@ -358,18 +436,34 @@ _GLUON_TRITON_VERSIONS = ((3, 6),)
 
 
 @functools.lru_cache(maxsize=16)
-def _hopper_prefill_kernels(device: torch.device):
-    """The ``hopper_prefill`` module where ``device`` can run it (a CUDA GPU of compute
-    capability 9.x, a Triton whose Gluon it ran on), else ``None``."""
+def _gluon_kernels(device: torch.device, name: str):
+    """The Gluon kernel module ``name`` (``hopper_prefill``, ``hopper_decode``) where
+    ``device`` can run it (a CUDA GPU of compute capability 9.x, a Triton whose Gluon it
+    ran on), else ``None``."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
     import triton
 
     if tuple(int(part) for part in triton.__version__.split(".")[:2]) not in _GLUON_TRITON_VERSIONS:
         return None
-    from npu_attention.providers.triton_kernels import hopper_prefill
+    module = importlib.import_module(f"npu_attention.providers.triton_kernels.{name}")
+    return module if module.HAVE_GLUON else None
 
-    return hopper_prefill if hopper_prefill.HAVE_GLUON else None
+
+def _hopper_prefill_kernels(device: torch.device):
+    """The ``hopper_prefill`` module where ``device`` can run it, else ``None``."""
+    return _gluon_kernels(device, "hopper_prefill")
+
+
+def _hopper_decode_kernels(device: torch.device):
+    """The ``hopper_decode`` module where ``device`` can run it, else ``None``."""
+    return _gluon_kernels(device, "hopper_decode")
+
+
+def _pdl_supported(device: torch.device) -> bool:
+    from npu_attention.providers.triton_kernels.paged_attention import pdl_supported
+
+    return pdl_supported(device)
 
 
 def _multiprocessors(device: torch.device) -> int:

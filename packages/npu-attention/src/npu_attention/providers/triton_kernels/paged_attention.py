@@ -776,25 +776,52 @@ def paged_attention(
         **_pdl_launch(use_pdl),
     )
     if split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            partial_out,
-            partial_lse,
-            lse_arg,
-            cu_seqlens_q,
-            num_reqs,
-            num_splits,
-            *out.stride(),
-            *lse_strides,
-            NUM_HEADS=num_heads,
-            HEAD_SIZE=head_size,
-            HEAD_PAD=head_pad,
-            SPLITS_PAD=next_power_of_2(num_splits),
-            PDL=use_pdl,
-            WRITE_LSE=write_lse,
-            num_warps=4,
-            **_pdl_launch(use_pdl),
+        merge_splits(
+            out, partial_out, partial_lse, lse, cu_seqlens_q, num_reqs, num_splits, pdl=use_pdl
         )
+
+
+def merge_splits(
+    out: torch.Tensor,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    lse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    num_reqs: int,
+    num_splits: int,
+    *,
+    pdl: bool = False,
+) -> None:
+    """Merge the partial results of a split decode into ``out`` ``[tokens, heads,
+    head_size]`` (and ``lse``, natural log, when given).
+
+    ``partial_out`` float32 ``[tokens * heads * num_splits, head_pad]`` and
+    ``partial_lse`` float32 ``[tokens * heads * num_splits]`` (log2 domain): row
+    ``(token * heads + head) * num_splits + split``. ``pdl``: launched with
+    programmatic dependent launch (the caller checks ``pdl_supported``).
+    """
+    num_tokens, num_heads, head_size = out.shape
+    write_lse = lse is not None
+    lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        out,
+        partial_out,
+        partial_lse,
+        lse_arg,
+        cu_seqlens_q,
+        num_reqs,
+        num_splits,
+        *out.stride(),
+        *lse_strides,
+        NUM_HEADS=num_heads,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=partial_out.shape[1],
+        SPLITS_PAD=next_power_of_2(num_splits),
+        PDL=pdl,
+        WRITE_LSE=write_lse,
+        num_warps=4,
+        **_pdl_launch(pdl),
+    )
 
 
 def tma_supported(cache: torch.Tensor) -> bool:

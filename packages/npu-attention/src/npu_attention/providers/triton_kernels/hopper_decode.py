@@ -1,0 +1,482 @@
+"""Decode attention over a paged KV cache for Hopper GPUs, written in Gluon.
+
+A decode program (one request, one KV head, one share of its keys) has little to
+compute: the query heads of one KV head times its query tokens, a few rows against
+every key. What limits it is how many bytes of K and V each multiprocessor keeps in
+flight. The portable kernel issues its loads from the same warps that compute, a
+tile or two ahead; this kernel gives the loads to their own warp:
+
+- one loader warp reads the block table one tile ahead and fetches each tile's pages
+  with the tensor-memory accelerator into a deep ring of shared-memory stages (up to
+  ``STAGES`` tiles in flight), signalling each stage on an mbarrier;
+- one consumer warpgroup computes ``Q @ K^T``, the online softmax and ``P @ V`` with
+  ``mma.sync`` (a decode's rows are too few for a warpgroup MMA) and frees each stage
+  once its K and V are in registers.
+
+It covers one-token and speculative decodes (query tokens causal among themselves),
+GQA, head sizes 64/128/256 (16-bit), page sizes that are powers of two from 8 tokens
+up, splits of the keys (merged by the portable merge kernel) and the optional
+log-sum-exp. Sliding windows and soft caps stay on the portable kernel.
+:func:`hopper_decode_supported` says whether a call can take this path; the caller
+checks the device (compute capability 9.x).
+"""
+
+import functools
+
+import torch
+
+from npu_attention.providers.triton_kernels.paged_attention import merge_splits
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.core import _aggregate as aggregate
+
+    HAVE_GLUON = True
+except ImportError:  # older Triton, triton-ascend: the portable kernel serves
+    HAVE_GLUON = False
+
+_LOG2E = 1.4426950408889634
+HEAD_SIZES = (64, 128, 256)
+MAX_ROWS = 64  # query rows of a program: query heads of a KV head x query tokens
+_RING_BYTES = 192 * 1024  # shared memory for the K/V stages (H100: 227 KiB a block)
+_MAX_STAGES = 8
+
+
+def key_tile(head_size: int) -> int:
+    """Keys per stage: 64, or 32 at head size 256."""
+    return 64 if head_size <= 128 else 32
+
+
+def ring_stages(head_size: int) -> int:
+    """Stages of the K/V ring: as many tiles as ``_RING_BYTES`` holds, at most 8."""
+    stage_bytes = 2 * key_tile(head_size) * head_size * 2
+    return max(2, min(_MAX_STAGES, _RING_BYTES // stage_bytes))
+
+
+def shape_supported(head_size: int, dtype: torch.dtype, block_size: int, rows: int) -> bool:
+    """Whether the kernel takes a head size, dtype, page size and ``rows`` query rows
+    per program (query heads of a KV head x query tokens of a request): a head size of
+    ``HEAD_SIZES``, fp16/bf16, a power-of-two page of at least 8 tokens, at most
+    ``MAX_ROWS`` rows."""
+    return (
+        head_size in HEAD_SIZES
+        and dtype in (torch.float16, torch.bfloat16)
+        and block_size >= 8
+        and block_size & (block_size - 1) == 0
+        and rows <= MAX_ROWS
+    )
+
+
+def hopper_decode_supported(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    rows: int,
+) -> bool:
+    """Whether :func:`hopper_decode` takes ``query``/``out`` ``[tokens, heads,
+    head_size]`` against caches ``[num_blocks, block_size, kv_heads, head_size]`` with
+    ``rows`` query rows per program: Gluon present, CUDA tensors, :func:`shape_supported`,
+    and caches whose rows a 2-D tensor descriptor can address (``[num_blocks *
+    block_size, kv_heads * head_size]``, 16-byte aligned)."""
+    if not HAVE_GLUON or query.device.type != "cuda":
+        return False
+    if not shape_supported(query.shape[-1], query.dtype, key_cache.shape[1], rows):
+        return False
+    if out.dtype != query.dtype or out.stride(-1) != 1 or query.stride(-1) != 1:
+        return False
+    return all(_pages_take_descriptor(c, query.dtype) for c in (key_cache, value_cache))
+
+
+def _pages_take_descriptor(cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    if cache.dtype != dtype or cache.dim() != 4:
+        return False
+    _, block_size, kv_heads, head_size = cache.shape
+    stride_b, stride_t, stride_h, stride_d = cache.stride()
+    return (
+        stride_d == 1
+        and stride_h == head_size
+        and stride_b == block_size * stride_t
+        and stride_t >= kv_heads * head_size
+        and (stride_t * cache.element_size()) % 16 == 0
+        and cache.data_ptr() % 16 == 0
+    )
+
+
+def hopper_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    scale: float,
+    tokens_per_req: int,
+    num_splits: int = 1,
+    lse: torch.Tensor | None = None,
+    stages: int | None = None,
+    pdl: bool = False,
+) -> None:
+    """Decode attention of each request's query tokens over its cached keys, into ``out``.
+
+    Args:
+        query: ``[tokens, heads, head_size]`` fp16/bf16; request ``r`` holds rows
+            ``cu_seqlens_q[r]:cu_seqlens_q[r + 1]``, at most ``tokens_per_req`` of them
+            (``1 + num_speculative_tokens``), causal among themselves.
+        key_cache, value_cache: ``[num_blocks, block_size, kv_heads, head_size]``.
+        out: ``[tokens, heads, head_size]`` (any strides, last one 1).
+        cu_seqlens_q: int32 ``[num_reqs + 1]``; seq_lens: int32 ``[num_reqs]`` (context +
+            new tokens); block_tables: int32 ``[num_reqs, max_blocks]``; all on the device.
+        num_splits: programs along each request's keys; their partial results are
+            merged by a second kernel (``pdl``: launched with programmatic dependent
+            launch).
+        lse: optional float32 ``[>= tokens, heads]``: each real row's natural-log
+            log-sum-exp, ``-inf`` for a row that sees no key.
+        stages: K/V tiles in flight (default :func:`ring_stages`).
+
+    The caller checks :func:`hopper_decode_supported`. Rows past ``cu_seqlens_q[-1]``
+    are left untouched.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    queries_per_kv = num_heads // num_kv_heads
+    rows = queries_per_kv * tokens_per_req
+    block_n = key_tile(head_size)
+    page_rows = min(block_size, block_n)
+    dtype = gl.float16 if query.dtype == torch.float16 else gl.bfloat16
+    k_desc = _page_descriptor(key_cache, page_rows, dtype)
+    v_desc = _page_descriptor(value_cache, page_rows, dtype)
+    split = num_splits > 1
+    if split:
+        partial_out = torch.empty(
+            (num_tokens * num_heads * num_splits, head_size),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        partial_lse = torch.empty(
+            num_tokens * num_heads * num_splits, dtype=torch.float32, device=query.device
+        )
+    else:
+        partial_out = partial_lse = out
+    write_lse = lse is not None and not split
+    lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
+    _hopper_decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+        query,
+        k_desc,
+        v_desc,
+        out,
+        partial_out,
+        partial_lse,
+        lse_arg,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        block_tables.shape[1],
+        *query.stride()[:2],
+        *out.stride()[:2],
+        *lse_strides,
+        block_tables.stride(0),
+        scale * _LOG2E,
+        NUM_HEADS=num_heads,
+        QUERIES_PER_KV=queries_per_kv,
+        ROWS=rows,
+        BLOCK_M=max(16, 1 << (rows - 1).bit_length()),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        STAGES=stages or ring_stages(head_size),
+        SPLIT=split,
+        WRITE_LSE=write_lse,
+        num_warps=4,
+    )
+    if split:
+        merge_splits(
+            out, partial_out, partial_lse, lse, cu_seqlens_q, num_reqs, num_splits, pdl=pdl
+        )
+
+
+@functools.lru_cache(maxsize=32)
+def _shared_layout(rows: int, head_size: int, dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, head_size], dtype)
+
+
+def _page_descriptor(cache: torch.Tensor, page_rows: int, dtype) -> "TensorDescriptor":
+    """A 2-D descriptor over ``cache`` seen as ``[num_blocks * block_size, kv_heads *
+    head_size]``; a box is ``page_rows`` rows of one page and one KV head."""
+    num_blocks, block_size, kv_heads, head_size = cache.shape
+    layout = _shared_layout(page_rows, head_size, dtype)
+    return TensorDescriptor(
+        cache,
+        [num_blocks * block_size, kv_heads * head_size],
+        [cache.stride(1), 1],
+        [page_rows, head_size],
+        layout,
+    )
+
+
+if HAVE_GLUON:
+
+    @aggregate
+    class _Shape:
+        """Compile-time sizes shared by the two partitions."""
+
+        num_heads: gl.constexpr
+        queries_per_kv: gl.constexpr
+        rows: gl.constexpr
+        block_m: gl.constexpr
+        block_size: gl.constexpr
+        split: gl.constexpr
+        write_lse: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, num_heads, queries_per_kv, rows, block_m, block_size, split, write_lse):
+            self.num_heads = gl.constexpr(num_heads)
+            self.queries_per_kv = gl.constexpr(queries_per_kv)
+            self.rows = gl.constexpr(rows)
+            self.block_m = gl.constexpr(block_m)
+            self.block_size = gl.constexpr(block_size)
+            self.split = gl.constexpr(split)
+            self.write_lse = gl.constexpr(write_lse)
+
+    @gluon.jit
+    def _key_range(seq_len, BLOCK_N: gl.constexpr):
+        """This program's keys ``[lo, hi)``: an equal share, in whole tiles, of the
+        request's ``seq_len`` keys over the programs along axis 2."""
+        split = gl.program_id(2)
+        per_split = gl.cdiv(gl.cdiv(seq_len, gl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = gl.minimum(seq_len, lo + per_split)
+        return lo, hi
+
+    @gluon.jit
+    def _tile_pages(
+        block_table_row, table_width, first_key, hi, offs,
+        PAGE_ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    ):  # fmt: skip
+        """Page ids of the pieces ``offs`` (``PAGE_ROWS`` keys each) of the tile that
+        starts at key ``first_key``; pieces at or past key ``hi`` read 0."""
+        keys = first_key + offs * PAGE_ROWS
+        entry = keys // BLOCK_SIZE
+        return gl.load(block_table_row + entry, mask=(keys < hi) & (entry < table_width), other=0)
+
+    @gluon.jit
+    def _fetch_piece(desc, smem, ready, stage, piece, coord, valid):
+        """Piece ``piece`` of stage ``stage`` through TMA when ``valid``; otherwise an
+        arrival without bytes, so that the stage still completes."""
+        PAGE_ROWS: gl.constexpr = desc.block_type.shape[0]
+        mbarrier.expect(ready.index(stage), desc.block_type.nbytes, pred=valid)
+        mbarrier.arrive(ready.index(stage), pred=not valid)
+        tma.async_copy_global_to_shared(
+            desc, coord, ready.index(stage),
+            smem.index(stage).slice(piece * PAGE_ROWS, PAGE_ROWS), pred=valid,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _load_partition(
+        k_desc, v_desc, k_smem, v_smem, bars, seq_lens_ptr, block_tables_ptr,
+        table_width, stride_bt, shape: _Shape,
+    ):  # fmt: skip
+        """One warp: the block table one tile ahead, each tile's pages into the ring."""
+        k_ready, v_ready, empty = bars
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        HEAD: gl.constexpr = k_smem.type.shape[2]
+        PAGE_ROWS: gl.constexpr = k_desc.block_type.shape[0]
+        PIECES: gl.constexpr = BLOCK_N // PAGE_ROWS
+        BLOCK_SIZE: gl.constexpr = shape.block_size
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        req = gl.program_id(0)
+        col = gl.program_id(1) * HEAD
+        seq_len = gl.load(seq_lens_ptr + req)
+        lo, hi = _key_range(seq_len, BLOCK_N)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        row = block_tables_ptr + req.to(gl.int64) * stride_bt
+        offs = gl.arange(0, PIECES, layout=layout)
+        pages = _tile_pages(row, table_width, lo, hi, offs, PAGE_ROWS, BLOCK_SIZE)
+        for j in range(num_tiles):
+            first = lo + j * BLOCK_N
+            upcoming = _tile_pages(
+                row, table_width, first + BLOCK_N, hi, offs, PAGE_ROWS, BLOCK_SIZE
+            )
+            stage = j % STAGES
+            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # fresh: counts as freed
+            for i in gl.static_range(PIECES):
+                key = first + i * PAGE_ROWS
+                page = gl.sum(gl.where(offs == i, pages, 0), axis=0)
+                coord = [page * BLOCK_SIZE + key % BLOCK_SIZE, col]
+                _fetch_piece(k_desc, k_smem, k_ready, stage, i, coord, key < hi)
+                _fetch_piece(v_desc, v_smem, v_ready, stage, i, coord, key < hi)
+            pages = upcoming
+
+    @gluon.jit
+    def _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, HEAD: gl.constexpr,
+                    shape: _Shape, layout: gl.constexpr):  # fmt: skip
+        """The program's query rows ``[BLOCK_M, HEAD]`` (row ``r``: query token ``r //
+        queries_per_kv`` of the request, head ``r % queries_per_kv`` of the KV head's
+        group), zeros past the request's tokens; and for each row its token and head."""
+        r = gl.arange(0, shape.block_m, layout=gl.SliceLayout(1, layout))
+        d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+        token_in_req = r // shape.queries_per_kv
+        head = kv_head * shape.queries_per_kv + r % shape.queries_per_kv
+        valid = (r < shape.rows) & (token_in_req < q_len)
+        token = (q_start + token_in_req).to(gl.int64)
+        ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        return gl.load(ptrs, mask=valid[:, None], other=0.0)
+
+    @gluon.jit
+    def _values(v_smem, stage, first, hi, MASKED: gl.constexpr, layout: gl.constexpr):
+        """The stage's V tile in ``layout``; with ``MASKED``, rows of keys at or past
+        ``hi`` (pieces not fetched or past the request) read as zeros."""
+        BLOCK_N: gl.constexpr = v_smem.type.shape[1]
+        HEAD: gl.constexpr = v_smem.type.shape[2]
+        if MASKED:
+            plain: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            v = v_smem.index(stage).load(plain)
+            keys = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, plain))
+            v = gl.where((keys < hi)[:, None], v, gl.zeros([BLOCK_N, HEAD], v.dtype, plain))
+            return gl.convert_layout(v, layout)
+        else:
+            return v_smem.index(stage).load(layout)
+
+    @gluon.jit
+    def _consumer_partition(
+        q_ptr, k_smem, v_smem, bars, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr,
+        cu_seqlens_q_ptr, seq_lens_ptr, stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_lt, stride_lh, qk_scale, shape: _Shape,
+    ):  # fmt: skip
+        """One warpgroup: the program's rows against its key tiles, then the store."""
+        k_ready, v_ready, empty = bars
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        HEAD: gl.constexpr = k_smem.type.shape[2]
+        BLOCK_M: gl.constexpr = shape.block_m
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        plain: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        req = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        q_start = gl.load(cu_seqlens_q_ptr + req)
+        q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
+        seq_len = gl.load(seq_lens_ptr + req)
+        lo, hi = _key_range(seq_len, BLOCK_N)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        q = _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, HEAD, shape, plain)
+        q = gl.convert_layout(q, a_layout)
+        # Row r (query token r // queries_per_kv) sees keys below context + token + 1.
+        context_len = seq_len - q_len
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+        row_end = gl.minimum(context_len + r // shape.queries_per_kv + 1, hi)
+        num_full = gl.maximum(gl.minimum(hi, context_len + 1) - lo, 0) // BLOCK_N
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, mma))
+        acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=mma)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+        for j in range(num_tiles):
+            stage = j % STAGES
+            phase = (j // STAGES) & 1
+            first = lo + j * BLOCK_N
+            mbarrier.wait(k_ready.index(stage), phase)
+            k = k_smem.index(stage).permute((1, 0)).load(b_layout)
+            s = mma_v2(q, k, zero_s)
+            masked = j >= num_full
+            if masked:
+                keys = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+                s = gl.where(keys[None, :] < row_end[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * qk_scale - m_safe[:, None])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            mbarrier.wait(v_ready.index(stage), phase)
+            if masked:
+                v = _values(v_smem, stage, first, hi, True, b_layout)
+            else:
+                v = _values(v_smem, stage, first, hi, False, b_layout)
+            mbarrier.arrive(empty.index(stage), count=1)
+            p_op = gl.convert_layout(p.to(k_smem.dtype), a_layout)
+            acc = mma_v2(p_op, v, acc * alpha[:, None])
+        _store_rows(
+            acc, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr, q_start, q_len,
+            kv_head, stride_ot, stride_oh, stride_lt, stride_lh, shape,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _store_rows(
+        acc, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr, q_start, q_len,
+        kv_head, stride_ot, stride_oh, stride_lt, stride_lh, shape: _Shape,
+    ):  # fmt: skip
+        """Normalize and write the real rows: to ``out`` (and ``lse``), or as this
+        split's partial rows (output and log2-domain LSE) for the merge kernel."""
+        layout: gl.constexpr = acc.type.layout
+        BLOCK_M: gl.constexpr = acc.type.shape[0]
+        HEAD: gl.constexpr = acc.type.shape[1]
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        d = gl.arange(0, HEAD, layout=gl.SliceLayout(0, layout))
+        token_in_req = r // shape.queries_per_kv
+        head = kv_head * shape.queries_per_kv + r % shape.queries_per_kv
+        valid = (r < shape.rows) & (token_in_req < q_len)
+        token = (q_start + token_in_req).to(gl.int64)
+        seen = l_i > 0.0  # a row that saw no key: output zeros, LSE -inf
+        out = acc / gl.where(seen, l_i, 1.0)[:, None]
+        lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+        if shape.split:
+            row = (token * shape.num_heads + head) * gl.num_programs(2) + gl.program_id(2)
+            gl.store(partial_lse_ptr + row, lse2, mask=valid)
+            gl.store(partial_out_ptr + row[:, None] * HEAD + d[None, :], out, mask=valid[:, None])
+        else:
+            dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            gl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+            if shape.write_lse:
+                gl.store(
+                    lse_ptr + token * stride_lt + head * stride_lh,
+                    lse2 * 0.6931471805599453,  # natural log
+                    mask=valid,
+                )
+
+    @gluon.jit
+    def _hopper_decode_kernel(
+        q_ptr, k_desc, v_desc, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr,
+        cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, table_width,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_bt, qk_scale,
+        NUM_HEADS: gl.constexpr, QUERIES_PER_KV: gl.constexpr, ROWS: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
+    ):  # fmt: skip
+        HEAD: gl.constexpr = k_desc.block_type.shape[1]
+        PIECES: gl.constexpr = BLOCK_N // k_desc.block_type.shape[0]
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=PIECES)  # one arrival per piece
+            mbarrier.init(v_ready.index(i), count=PIECES)
+            mbarrier.init(empty.index(i), count=1)
+        bars = (k_ready, v_ready, empty)
+        shape = _Shape(NUM_HEADS, QUERIES_PER_KV, ROWS, BLOCK_M, BLOCK_SIZE, SPLIT, WRITE_LSE)
+        consumer_args = (
+            q_ptr, k_smem, v_smem, bars, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr,
+            cu_seqlens_q_ptr, seq_lens_ptr, stride_qt, stride_qh, stride_ot, stride_oh,
+            stride_lt, stride_lh, qk_scale, shape,
+        )  # fmt: skip
+        load_args = (
+            k_desc, v_desc, k_smem, v_smem, bars, seq_lens_ptr, block_tables_ptr,
+            table_width, stride_bt, shape,
+        )  # fmt: skip
+        gl.warp_specialize(
+            [(_consumer_partition, consumer_args), (_load_partition, load_args)], [1], [32]
+        )
