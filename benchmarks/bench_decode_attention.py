@@ -263,10 +263,10 @@ def stages_sweep(device: torch.device) -> list[dict[str, Any]]:
         best_sdpa = min(
             ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
         )
-        for block_size, stages in itertools.product(BLOCK_SIZES, (0, 2, 4, 6)):
+        for block_size, stages in itertools.product(BLOCK_SIZES, (0, 2, 3, 4)):
             provider = TritonProvider()
             provider.hopper_decode = stages > 0
-            provider.hopper_decode_stages = stages or None
+            provider.hopper_decode_stages = stages or 2
             result = measure(problem, provider, block_size, expected)
             rows.append({
                 "batch": batch, "context": context, "block": block_size,

@@ -60,7 +60,7 @@ def _count_hopper_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_devices_other_than_a_hopper_gpu_keep_the_portable_kernel() -> None:
     assert triton_provider._hopper_decode_kernels(torch.device("cpu")) is None
     spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
-    assert not TritonProvider()._hopper_decode_takes(spec, torch.device("cpu"))
+    assert not TritonProvider()._hopper_decode_takes(spec, 1, torch.device("cpu"))
     if HAS_CUDA and not HOPPER:
         assert triton_provider._hopper_decode_kernels(torch.device("cuda")) is None
 
@@ -92,7 +92,7 @@ HOPPER_CASES = {
     "page_edges_block_16": ([0, 15, 16, 17, 63, 64, 65, 700], (32, 8), 128, 16,
                             torch.bfloat16, 0),
     "long_block_128": ([3000, 127, 128, 129, 1], (32, 8), 128, 128, torch.bfloat16, 0),
-    "fp16_block_8": ([5, 8, 9, 200, 1500], (32, 8), 128, 8, torch.float16, 0),
+    "fp16_block_64": ([5, 63, 64, 65, 200, 1500], (32, 8), 128, 64, torch.float16, 0),
     "block_32_mha": ([31, 32, 33, 999], (16, 16), 128, 32, torch.bfloat16, 0),
     "gqa_7_head_64": ([1, 64, 500, 2047], (28, 4), 64, 16, torch.float16, 0),
     "head_256": ([3, 32, 33, 600], (8, 2), 256, 16, torch.bfloat16, 0),
@@ -131,7 +131,7 @@ def test_gpu_hopper_decode_matches_reference(
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("stages", [2, 3, 8])
+@pytest.mark.parametrize("stages", [2, 3, 6, 8])
 @pytest.mark.parametrize("num_kv_splits", [1, 5])
 def test_gpu_hopper_decode_ring_depths(
     stages: int, num_kv_splits: int, monkeypatch: pytest.MonkeyPatch
@@ -156,7 +156,6 @@ def test_gpu_hopper_decode_ring_depths(
         (1, 400, 4),  # shares of at least 128 keys
         (4, 3000, 4),  # 32 programs
         (16, 3000, 1),  # 128 programs: unsplit
-        (24, 3000, 1),
     ],
 )
 def test_gpu_hopper_decode_split_choices(
@@ -248,6 +247,19 @@ def test_gpu_what_the_hopper_decode_lacks_stays_portable(
 
 @pytest.mark.cuda
 @needs_hopper
+def test_gpu_decodes_of_more_than_one_wave_stay_portable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More requests x KV heads than multiprocessors: the portable kernel, unsplit."""
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    num_reqs = torch.cuda.get_device_properties(0).multi_processor_count // 8 + 1
+    batch = _decode(spec, [(37 * r) % 900 for r in range(num_reqs)])
+    assert not batch.plan.provider_data.hopper_decode
+    launches = _count_hopper_launches(monkeypatch)
+    assert_matches_reference(batch, batch.run())
+    assert launches == []
+
+
+@pytest.mark.cuda
+@needs_hopper
 def test_gpu_hopper_decode_off_or_untested_triton_keeps_the_portable_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -256,7 +268,7 @@ def test_gpu_hopper_decode_off_or_untested_triton_keeps_the_portable_kernel(
     launches = _count_hopper_launches(monkeypatch)
     batch.plan.provider.hopper_decode = False
     assert_matches_reference(batch, batch.run())
-    assert not batch.plan.provider._hopper_decode_takes(spec, batch.device)
+    assert not batch.plan.provider._hopper_decode_takes(spec, 2, batch.device)
     batch.plan.provider.hopper_decode = True
     monkeypatch.setattr(triton_provider, "_GLUON_TRITON_VERSIONS", ())
     triton_provider._gluon_kernels.cache_clear()

@@ -7,8 +7,8 @@ flight. The portable kernel issues its loads from the same warps that compute, a
 tile or two ahead; this kernel gives the loads to their own warp:
 
 - one loader warp reads the block table one tile ahead and fetches each tile's pages
-  with the tensor-memory accelerator into a deep ring of shared-memory stages (up to
-  ``STAGES`` tiles in flight), signalling each stage on an mbarrier;
+  with the tensor-memory accelerator into a ring of shared-memory stages (``STAGES``
+  tiles in flight), signalling each stage on an mbarrier;
 - one consumer warpgroup computes ``Q @ K^T``, the online softmax and ``P @ V`` with
   ``mma.sync`` (a decode's rows are too few for a warpgroup MMA) and frees each stage
   once its K and V are in registers.
@@ -51,8 +51,8 @@ def key_tile(head_size: int) -> int:
     return 64 if head_size <= 128 else 32
 
 
-def ring_stages(head_size: int) -> int:
-    """Stages of the K/V ring: as many tiles as ``_RING_BYTES`` holds, at most 8."""
+def max_stages(head_size: int) -> int:
+    """The deepest K/V ring: as many tiles as ``_RING_BYTES`` holds, at most 8."""
     stage_bytes = 2 * key_tile(head_size) * head_size * 2
     return max(2, min(_MAX_STAGES, _RING_BYTES // stage_bytes))
 
@@ -120,7 +120,7 @@ def hopper_decode(
     tokens_per_req: int,
     num_splits: int = 1,
     lse: torch.Tensor | None = None,
-    stages: int | None = None,
+    stages: int = 2,
     pdl: bool = False,
 ) -> None:
     """Decode attention of each request's query tokens over its cached keys, into ``out``.
@@ -138,7 +138,7 @@ def hopper_decode(
             launch).
         lse: optional float32 ``[>= tokens, heads]``: each real row's natural-log
             log-sum-exp, ``-inf`` for a row that sees no key.
-        stages: K/V tiles in flight (default :func:`ring_stages`).
+        stages: K/V tiles in flight, at most :func:`max_stages`.
 
     The caller checks :func:`hopper_decode_supported`. Rows past ``cu_seqlens_q[-1]``
     are left untouched.
@@ -192,7 +192,7 @@ def hopper_decode(
         BLOCK_M=max(16, 1 << (rows - 1).bit_length()),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
-        STAGES=stages or ring_stages(head_size),
+        STAGES=min(stages, max_stages(head_size)),
         SPLIT=split,
         WRITE_LSE=write_lse,
         num_warps=4,
@@ -295,12 +295,16 @@ if HAVE_GLUON:
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         req = gl.program_id(0)
         col = gl.program_id(1) * HEAD
+        row = block_tables_ptr + req.to(gl.int64) * stride_bt
+        offs = gl.arange(0, PIECES, layout=layout)
+        if not shape.split:  # the first pages need no length: read them alongside it
+            pages = _tile_pages(row, table_width, 0, table_width * BLOCK_SIZE, offs,
+                                PAGE_ROWS, BLOCK_SIZE)  # fmt: skip
         seq_len = gl.load(seq_lens_ptr + req)
         lo, hi = _key_range(seq_len, BLOCK_N)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-        row = block_tables_ptr + req.to(gl.int64) * stride_bt
-        offs = gl.arange(0, PIECES, layout=layout)
-        pages = _tile_pages(row, table_width, lo, hi, offs, PAGE_ROWS, BLOCK_SIZE)
+        if shape.split:
+            pages = _tile_pages(row, table_width, lo, hi, offs, PAGE_ROWS, BLOCK_SIZE)
         for j in range(num_tiles):
             first = lo + j * BLOCK_N
             upcoming = _tile_pages(
