@@ -20,7 +20,7 @@ holds), per call: the graph's launch floor shared by the calls.
 Gluon decode kernel (``hopper_decode``); ``portable_us`` is the same provider with
 ``hopper_decode`` off (the portable kernel), timed in the same run.
 
-    python benchmarks/bench_decode_attention.py [--tune] [--quick] [--stages]
+    python benchmarks/bench_decode_attention.py [--tune] [--quick] [--hopper]
 """
 
 from __future__ import annotations
@@ -253,26 +253,43 @@ def profile_kernels(device: torch.device) -> None:
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=6))
 
 
-def stages_sweep(device: torch.device) -> list[dict[str, Any]]:
-    """The Gluon decode at each ring depth and with the portable kernel, block 128 and
-    16, on the small-batch shapes, in one run with the best SDPA peer."""
+HOPPER_VARIANTS = {
+    "portable": None,
+    "n64_w4_s2": {"block_n": 64, "num_warps": 4, "num_stages": 2},
+    "n64_w4_s3": {"block_n": 64, "num_warps": 4, "num_stages": 3},
+    "n64_w8_s2": {"block_n": 64, "num_warps": 8, "num_stages": 2},
+    "n128_w4_s2": {"block_n": 128, "num_warps": 4, "num_stages": 2},
+    "n128_w8_s2": {"block_n": 128, "num_warps": 8, "num_stages": 2},
+    "n128_w4_s3": {"block_n": 128, "num_warps": 4, "num_stages": 3},
+}
+
+
+def hopper_sweep(device: torch.device) -> list[dict[str, Any]]:
+    """The Gluon decode's launch settings (``HOPPER_VARIANTS``) and the portable kernel,
+    block 128 and 16, on the small-batch shapes, in one run with the best SDPA peer;
+    16 x 512 also split in two."""
     rows = []
-    for batch, context in ((1, 4096), (16, 512), (4, 4096), (16, 4096), (64, 4096)):
+    shapes = ((1, 4096, None), (16, 512, None), (16, 512, 2), (4, 4096, None), (16, 4096, None))
+    for batch, context, splits in shapes:
         problem = DecodeProblem(batch, context, device)
         expected = problem.sdpa().float()
         best_sdpa = min(
             ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
         )
-        for block_size, stages in itertools.product(BLOCK_SIZES, (0, 2, 3, 4)):
+        for block_size, (name, launch) in itertools.product(BLOCK_SIZES, HOPPER_VARIANTS.items()):
+            if splits and launch is None:
+                continue
             provider = TritonProvider()
-            provider.hopper_decode = stages > 0
-            provider.hopper_decode_stages = stages or 2
+            provider.hopper_decode = launch is not None
+            provider.hopper_decode_launch = launch or provider.hopper_decode_launch
+            if splits:
+                provider._num_kv_splits = lambda *_, s=splits: s
             result = measure(problem, provider, block_size, expected)
             rows.append({
-                "batch": batch, "context": context, "block": block_size,
-                "stages": stages or "portable", "splits": result["kv_splits"],
-                "us": result["ms"] * 1e3, "best_sdpa_us": best_sdpa * 1e3,
-                "vs_best_sdpa": best_sdpa / result["ms"], "max_err": result["max_abs_err_vs_sdpa"],
+                "batch": batch, "context": context, "block": block_size, "variant": name,
+                "splits": result["kv_splits"], "us": result["ms"] * 1e3,
+                "best_sdpa_us": best_sdpa * 1e3, "vs_best_sdpa": best_sdpa / result["ms"],
+                "max_err": result["max_abs_err_vs_sdpa"],
             })  # fmt: skip
         del problem
         torch.cuda.empty_cache()
@@ -306,12 +323,12 @@ def main() -> None:
         help="only time pdl on/off, then launch x split choices, small batches",
     )
     parser.add_argument(
-        "--stages", action="store_true", help="only the Gluon decode's ring depths, small batches"
+        "--hopper", action="store_true", help="only the Gluon decode's settings, small batches"
     )
     args = parser.parse_args()
     device = _timing.require_cuda()
-    if args.stages:
-        _timing.write_json("decode_stages", {"rows": stages_sweep(device)})
+    if args.hopper:
+        _timing.write_json("decode_hopper", {"rows": hopper_sweep(device)})
         return
     if args.sweep:
         pdl_rows = pdl_sweep(device)

@@ -44,7 +44,8 @@ case $mode in
     tests)  # four pytest processes at once: compiling the Triton variants is the long part
         attention=packages/npu-attention/tests
         triton_rest="$attention/test_triton_tma.py $attention/test_triton_plan_run.py
-            $attention/test_triton_context_parallel.py $attention/test_triton_hopper_prefill.py"
+            $attention/test_triton_context_parallel.py $attention/test_triton_hopper_prefill.py
+            $attention/test_triton_hopper_decode.py"
         pytest_cuda=(python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5)
         part_log=$dest/tests_provider.log part tests_provider 560 "${pytest_cuda[@]}" \
             "$attention/test_triton_provider.py" -k "not gpu_head_sizes" &
@@ -61,7 +62,7 @@ case $mode in
         ;;
     final)
         part prefill 90 python benchmarks/bench_prefill_attention.py
-        part decode 150 python benchmarks/bench_decode_attention.py
+        part decode 200 python benchmarks/bench_decode_attention.py
         part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
         part mla_decode 40 python benchmarks/bench_mla_decode.py
         ;;

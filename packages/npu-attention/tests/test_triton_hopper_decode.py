@@ -131,16 +131,28 @@ def test_gpu_hopper_decode_matches_reference(
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("stages", [2, 3, 6, 8])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        {"block_n": 64, "num_warps": 4, "num_stages": 3},
+        {"block_n": 64, "num_warps": 4, "num_stages": 8},
+        {"block_n": 64, "num_warps": 8, "num_stages": 2},
+        {"block_n": 128, "num_warps": 4, "num_stages": 2},
+        {"block_n": 128, "num_warps": 8, "num_stages": 3},
+    ],
+    ids=lambda launch: "-".join(f"{k}{v}" for k, v in launch.items()),
+)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("num_kv_splits", [1, 5])
-def test_gpu_hopper_decode_ring_depths(
-    stages: int, num_kv_splits: int, monkeypatch: pytest.MonkeyPatch
+def test_gpu_hopper_decode_launch_settings(
+    launch: dict, head_size: int, num_kv_splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rings shallower than a program's tiles (each stage reused many times) and the
-    default depth, with and without splits."""
-    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
-    batch = _decode(spec, [2000, 1, 700, 64])
-    batch.plan.provider.hopper_decode_stages = stages
+    """Every tile / warp / ring setting the provider can be given, beyond the default
+    that every other case runs: rings shallower than a program's tiles (each stage
+    reused many times) and deeper, wider tiles, eight consumer warps."""
+    spec = AttentionSpec(32, 8, head_size, block_size=16, dtype=torch.bfloat16)
+    batch = _decode(spec, [2000, 1, 700, 64, 129])
+    batch.plan.provider.hopper_decode_launch = launch
     batch.plan.provider_data = TritonStepData(True, num_kv_splits, False, True)
     launches = _count_hopper_launches(monkeypatch)
     assert_matches_reference(batch, batch.run())
@@ -229,10 +241,9 @@ def test_gpu_hopper_decode_ignores_stale_block_table_entries(
         ({"logits_soft_cap": 30.0}, False),
         ({"dtype": torch.float32}, False),
         ({"head_size": 96}, False),
-        ({"block_size": 24}, False),
         ({}, True),
     ],
-    ids=["window", "soft_cap", "float32", "head_96", "block_24", "packed_kv_cache"],
+    ids=["window", "soft_cap", "float32", "head_96", "packed_kv_cache"],
 )
 def test_gpu_what_the_hopper_decode_lacks_stays_portable(
     features: dict, packed_kv: bool, monkeypatch: pytest.MonkeyPatch

@@ -124,13 +124,18 @@ class TritonProvider(AttentionProvider):
         # Decodes reading the pages whose programs fit one wave (requests x KV heads at
         # most one per multiprocessor), on the same GPUs and Triton, without a sliding
         # window or soft cap: the Gluon kernel of ``hopper_decode.py`` (a TMA loader warp
-        # keeping ``hopper_decode_stages`` K/V tiles of 64 keys in flight), split to fill
-        # one wave. On an H100 (graph replay, L2 cleared, block 128 / 16), 2 stages took
-        # 23.0 / 23.1 us at 16 x 512 against 23.6 / 24.1 with 4 and 24.0 / 24.6 with 6
-        # (the portable kernel: 24.6 / 25.6; best SDPA 23.1); at 64 x 4096 (four waves)
-        # it was slower than the portable kernel (372 / 379 against 368 / 370 us).
+        # keeping ``num_stages`` K/V tiles of ``block_n`` keys in flight, a consumer of
+        # ``num_warps`` warps), split to fill one wave. On an H100 (graph replay, L2
+        # cleared, block 128 / 16), 2 stages took 23.0 / 23.1 us at 16 x 512 against
+        # 23.6 / 24.1 with 4 and 24.0 / 24.6 with 6 (the portable kernel: 24.6 / 25.6;
+        # best SDPA 23.1); at 64 x 4096 (four waves) it was slower than the portable
+        # kernel (372 / 379 against 368 / 370 us).
         self.hopper_decode = True
-        self.hopper_decode_stages = 2
+        self.hopper_decode_launch: dict[str, int] = {
+            "block_n": 64,
+            "num_warps": 4,
+            "num_stages": 2,
+        }
         # Pages smaller than a K/V tile of ``prefill_launch``: keys are gathered row by
         # row, and tiles of one warpgroup with a shallower pipeline did better on an H100.
         self.prefill_launch_small_pages: dict[str, int] = {
@@ -335,7 +340,9 @@ class TritonProvider(AttentionProvider):
             tokens_per_req=tokens_per_req,
             num_splits=step.num_kv_splits,
             lse=lse,
-            stages=self.hopper_decode_stages,
+            stages=self.hopper_decode_launch["num_stages"],
+            block_n=self.hopper_decode_launch["block_n"],
+            num_warps=self.hopper_decode_launch["num_warps"],
             pdl=bool(self.decode_launch.get("pdl")) and _pdl_supported(query.device),
         )
         return True

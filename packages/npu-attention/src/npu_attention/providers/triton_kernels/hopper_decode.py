@@ -9,7 +9,7 @@ tile or two ahead; this kernel gives the loads to their own warp:
 - one loader warp reads the block table one tile ahead and fetches each tile's pages
   with the tensor-memory accelerator into a ring of shared-memory stages (``STAGES``
   tiles in flight), signalling each stage on an mbarrier;
-- one consumer warpgroup computes ``Q @ K^T``, the online softmax and ``P @ V`` with
+- one consumer of four (or eight) warps computes ``Q @ K^T``, the online softmax and ``P @ V`` with
   ``mma.sync`` (a decode's rows are too few for a warpgroup MMA) and frees each stage
   once its K and V are in registers.
 
@@ -46,15 +46,16 @@ _RING_BYTES = 192 * 1024  # shared memory for the K/V stages (H100: 227 KiB a bl
 _MAX_STAGES = 8
 
 
-def key_tile(head_size: int) -> int:
-    """Keys per stage: 64, or 32 at head size 256."""
-    return 64 if head_size <= 128 else 32
+def key_tile(head_size: int, block_n: int = 64) -> int:
+    """Keys per stage: ``block_n``, at most 64 at head size 256."""
+    return block_n if head_size <= 128 else min(block_n, 64)
 
 
-def max_stages(head_size: int) -> int:
-    """The deepest K/V ring: as many tiles as ``_RING_BYTES`` holds, at most 8."""
-    stage_bytes = 2 * key_tile(head_size) * head_size * 2
-    return max(2, min(_MAX_STAGES, _RING_BYTES // stage_bytes))
+def max_stages(head_size: int, block_n: int = 64) -> int:
+    """The deepest K/V ring of ``block_n``-key tiles: as many as ``_RING_BYTES`` holds,
+    at most 8."""
+    stage_bytes = 2 * key_tile(head_size, block_n) * head_size * 2
+    return max(1, min(_MAX_STAGES, _RING_BYTES // stage_bytes))
 
 
 def shape_supported(head_size: int, dtype: torch.dtype, block_size: int, rows: int) -> bool:
@@ -121,6 +122,8 @@ def hopper_decode(
     num_splits: int = 1,
     lse: torch.Tensor | None = None,
     stages: int = 2,
+    block_n: int = 64,
+    num_warps: int = 4,
     pdl: bool = False,
 ) -> None:
     """Decode attention of each request's query tokens over its cached keys, into ``out``.
@@ -139,6 +142,8 @@ def hopper_decode(
         lse: optional float32 ``[>= tokens, heads]``: each real row's natural-log
             log-sum-exp, ``-inf`` for a row that sees no key.
         stages: K/V tiles in flight, at most :func:`max_stages`.
+        block_n: keys per tile (64 or 128; at most 64 at head size 256).
+        num_warps: warps of the consumer (4 or 8), which split each tile's keys.
 
     The caller checks :func:`hopper_decode_supported`. Rows past ``cu_seqlens_q[-1]``
     are left untouched.
@@ -150,7 +155,7 @@ def hopper_decode(
     _, block_size, num_kv_heads, _ = key_cache.shape
     queries_per_kv = num_heads // num_kv_heads
     rows = queries_per_kv * tokens_per_req
-    block_n = key_tile(head_size)
+    block_n = key_tile(head_size, block_n)
     page_rows = min(block_size, block_n)
     dtype = gl.float16 if query.dtype == torch.float16 else gl.bfloat16
     k_desc = _page_descriptor(key_cache, page_rows, dtype)
@@ -192,10 +197,10 @@ def hopper_decode(
         BLOCK_M=max(16, 1 << (rows - 1).bit_length()),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
-        STAGES=min(stages, max_stages(head_size)),
+        STAGES=min(stages, max_stages(head_size, block_n)),
         SPLIT=split,
         WRITE_LSE=write_lse,
-        num_warps=4,
+        num_warps=num_warps,
     )
     if split:
         merge_splits(
@@ -342,7 +347,7 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr = v_smem.type.shape[1]
         HEAD: gl.constexpr = v_smem.type.shape[2]
         if MASKED:
-            plain: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            plain: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
             v = v_smem.index(stage).load(plain)
             keys = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, plain))
             v = gl.where((keys < hi)[:, None], v, gl.zeros([BLOCK_N, HEAD], v.dtype, plain))
@@ -363,11 +368,11 @@ if HAVE_GLUON:
         HEAD: gl.constexpr = k_smem.type.shape[2]
         BLOCK_M: gl.constexpr = shape.block_m
         mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8]
+            version=[2, 0], warps_per_cta=[1, gl.num_warps()], instr_shape=[16, 8]
         )
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        plain: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        plain: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         req = gl.program_id(0)
         kv_head = gl.program_id(1)
         q_start = gl.load(cu_seqlens_q_ptr + req)
