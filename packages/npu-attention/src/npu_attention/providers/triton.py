@@ -9,7 +9,9 @@ in a device graph: replays see whatever the plan's fixed buffers hold.
 A prefill without cached context (``PREFILL_NO_CACHE``) given its own ``key``/``value``
 rows, as ``npu_attention.run`` gives them, reads its keys from those rows: through the
 Gluon kernel of ``hopper_prefill.py`` on Hopper GPUs (``hopper_prefill``), else with
-the prefill tiles of contiguous keys. Every other batch reads keys from the pages.
+the prefill tiles of contiguous keys. Every other batch reads keys from the pages;
+decodes whose programs fit one wave do so through the Gluon kernel of
+``hopper_decode.py`` on Hopper GPUs (``hopper_decode``), else with the decode tiles.
 """
 
 from __future__ import annotations
