@@ -255,7 +255,8 @@ def profile_kernels(device: torch.device) -> None:
 
 HOPPER_VARIANTS = {
     "portable": None,
-    "n64_w4_s2": {"block_n": 64, "num_warps": 4, "num_stages": 2},
+    "n64_w4_s2": {"block_n": 64, "num_warps": 4, "num_stages": 2, "pdl": 1},
+    "n64_w4_s2_no_pdl": {"block_n": 64, "num_warps": 4, "num_stages": 2, "pdl": 0},
     "n64_w4_s3": {"block_n": 64, "num_warps": 4, "num_stages": 3},
     "n64_w8_s2": {"block_n": 64, "num_warps": 8, "num_stages": 2},
     "n128_w4_s2": {"block_n": 128, "num_warps": 4, "num_stages": 2},
@@ -264,19 +265,23 @@ HOPPER_VARIANTS = {
 }
 
 
-def hopper_sweep(device: torch.device) -> list[dict[str, Any]]:
+def hopper_sweep(device: torch.device, names: list[str]) -> list[dict[str, Any]]:
     """The Gluon decode's launch settings (``HOPPER_VARIANTS``) and the portable kernel,
     block 128 and 16, on the small-batch shapes, in one run with the best SDPA peer;
-    16 x 512 also split in two."""
+    some shapes also with split counts other than the provider's."""
     rows = []
-    shapes = ((1, 4096, None), (16, 512, None), (16, 512, 2), (4, 4096, None), (16, 4096, None))
+    shapes = (
+        (1, 4096, None), (1, 4096, 8), (1, 4096, 32), (16, 512, None), (16, 512, 2),
+        (4, 4096, None), (4, 4096, 2), (16, 4096, None),
+    )  # fmt: skip
     for batch, context, splits in shapes:
         problem = DecodeProblem(batch, context, device)
         expected = problem.sdpa().float()
         best_sdpa = min(
             ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
         )
-        for block_size, (name, launch) in itertools.product(BLOCK_SIZES, HOPPER_VARIANTS.items()):
+        for block_size, name in itertools.product(BLOCK_SIZES, names):
+            launch = HOPPER_VARIANTS[name]
             if splits and launch is None:
                 continue
             provider = TritonProvider()
@@ -325,10 +330,16 @@ def main() -> None:
     parser.add_argument(
         "--hopper", action="store_true", help="only the Gluon decode's settings, small batches"
     )
+    parser.add_argument(
+        "--variants",
+        default=",".join(HOPPER_VARIANTS),
+        help="with --hopper: comma-separated names of HOPPER_VARIANTS (default: all)",
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
     if args.hopper:
-        _timing.write_json("decode_hopper", {"rows": hopper_sweep(device)})
+        rows = hopper_sweep(device, args.variants.split(","))
+        _timing.write_json("decode_hopper", {"rows": rows})
         return
     if args.sweep:
         pdl_rows = pdl_sweep(device)

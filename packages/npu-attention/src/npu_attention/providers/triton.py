@@ -127,7 +127,8 @@ class TritonProvider(AttentionProvider):
         # most one per multiprocessor), on the same GPUs and Triton, without a sliding
         # window or soft cap: the Gluon kernel of ``hopper_decode.py`` (a TMA loader warp
         # keeping ``num_stages`` K/V tiles of ``block_n`` keys in flight, a consumer of
-        # ``num_warps`` warps), split to fill one wave. On an H100 (graph replay, L2
+        # ``num_warps`` warps; ``pdl`` as for ``decode_launch``), split to fill one wave.
+        # On an H100 (graph replay, L2
         # cleared, block 128 / 16), 2 stages took 23.0 / 23.1 us at 16 x 512 against
         # 23.6 / 24.1 with 4 and 24.0 / 24.6 with 6 (the portable kernel: 24.6 / 25.6;
         # best SDPA 23.1); at 64 x 4096 (four waves) it was slower than the portable
@@ -137,6 +138,7 @@ class TritonProvider(AttentionProvider):
             "block_n": 64,
             "num_warps": 4,
             "num_stages": 2,
+            "pdl": 1,
         }
         # Pages smaller than a K/V tile of ``prefill_launch``: keys are gathered row by
         # row, and tiles of one warpgroup with a shallower pipeline did better on an H100.
@@ -345,7 +347,7 @@ class TritonProvider(AttentionProvider):
             stages=self.hopper_decode_launch["num_stages"],
             block_n=self.hopper_decode_launch["block_n"],
             num_warps=self.hopper_decode_launch["num_warps"],
-            pdl=bool(self.decode_launch.get("pdl")) and _pdl_supported(query.device),
+            pdl=bool(self.hopper_decode_launch.get("pdl")) and _pdl_supported(query.device),
         )
         return True
 

@@ -137,8 +137,9 @@ def hopper_decode(
         cu_seqlens_q: int32 ``[num_reqs + 1]``; seq_lens: int32 ``[num_reqs]`` (context +
             new tokens); block_tables: int32 ``[num_reqs, max_blocks]``; all on the device.
         num_splits: programs along each request's keys; their partial results are
-            merged by a second kernel (``pdl``: launched with programmatic dependent
-            launch).
+            merged by a second kernel.
+        pdl: launch this kernel and the merge with programmatic dependent launch (each
+            may start while the kernel before it finishes; the caller checks the GPU).
         lse: optional float32 ``[>= tokens, heads]``: each real row's natural-log
             log-sum-exp, ``-inf`` for a row that sees no key.
         stages: K/V tiles in flight, at most :func:`max_stages`.
@@ -200,7 +201,9 @@ def hopper_decode(
         STAGES=min(stages, max_stages(head_size, block_n)),
         SPLIT=split,
         WRITE_LSE=write_lse,
+        PDL=pdl,
         num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     if split:
         merge_splits(
@@ -228,6 +231,13 @@ def _page_descriptor(cache: torch.Tensor, page_rows: int, dtype) -> "TensorDescr
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _grid_dependency(instruction: gl.constexpr):
+        """One ``griddepcontrol`` instruction (programmatic dependent launch)."""
+        gl.inline_asm_elementwise(
+            instruction + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
 
     @aggregate
     class _Shape:
@@ -462,8 +472,11 @@ if HAVE_GLUON:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_bt, qk_scale,
         NUM_HEADS: gl.constexpr, QUERIES_PER_KV: gl.constexpr, ROWS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
+        STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, PDL: gl.constexpr,
     ):  # fmt: skip
+        if PDL:  # launched early: wait for the kernel before this one, let the next one start
+            _grid_dependency("griddepcontrol.wait;")
+            _grid_dependency("griddepcontrol.launch_dependents;")
         HEAD: gl.constexpr = k_desc.block_type.shape[1]
         PIECES: gl.constexpr = BLOCK_N // k_desc.block_type.shape[0]
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD], k_desc.layout)
