@@ -127,7 +127,9 @@ class TritonProvider(AttentionProvider):
         # most one per multiprocessor), on the same GPUs and Triton, without a sliding
         # window or soft cap: the Gluon kernel of ``hopper_decode.py`` (a TMA loader warp
         # keeping ``num_stages`` K/V tiles of ``block_n`` keys in flight, a consumer of
-        # ``num_warps`` warps; ``pdl`` as for ``decode_launch``), split to fill one wave.
+        # ``num_warps`` warps; ``pdl`` as for ``decode_launch``, off: it slowed split
+        # decodes on an H100, 1 x 4096 from 18.0 / 17.5 to 19.7 / 19.3 us and 4 x 4096 from
+        # 39.9 / 40.0 to 44.1 / 44.4, and left 16 x 512 unchanged), split to fill one wave.
         # On an H100 (graph replay, L2
         # cleared, block 128 / 16), 2 stages took 23.0 / 23.1 us at 16 x 512 against
         # 23.6 / 24.1 with 4 and 24.0 / 24.6 with 6 (the portable kernel: 24.6 / 25.6;
@@ -138,7 +140,7 @@ class TritonProvider(AttentionProvider):
             "block_n": 64,
             "num_warps": 4,
             "num_stages": 2,
-            "pdl": 1,
+            "pdl": 0,
         }
         # Pages smaller than a K/V tile of ``prefill_launch``: keys are gathered row by
         # row, and tiles of one warpgroup with a shallower pipeline did better on an H100.
