@@ -82,6 +82,10 @@ class DecodeProblem:
                 times.append(_timing.graph_median_ms(runner))
         return min(times) if times else None
 
+    def best_peer_ms(self) -> float:
+        """The fastest of the SDPA peers (``_timing.SDPA_PEERS``) that take the problem."""
+        return min(ms for ms in (self.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None)
+
     def paged_runner(self, provider: TritonProvider, block_size: int):
         spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE)
         block_tables = permuted_block_tables(
@@ -113,6 +117,23 @@ def measure(
     error = (run().float() - expected).abs().max().item()
     ms = _timing.graph_median_ms(run)
     return {"ms": ms, "max_abs_err_vs_sdpa": error, "kv_splits": plan.provider_data.num_kv_splits}
+
+
+def sweep_row(
+    problem: DecodeProblem,
+    block_size: int,
+    setting: dict[str, Any],
+    result: dict[str, Any],
+    best_sdpa_ms: float,
+) -> dict[str, Any]:
+    """One row of a settings sweep: the problem, the setting, its time beside the best
+    SDPA peer's."""
+    return {
+        "batch": problem.batch, "context": problem.context, "block": block_size, **setting,
+        "splits": result["kv_splits"], "us": result["ms"] * 1e3,
+        "best_sdpa_us": best_sdpa_ms * 1e3, "vs_best_sdpa": best_sdpa_ms / result["ms"],
+        "max_err": result["max_abs_err_vs_sdpa"],
+    }  # fmt: skip
 
 
 def tune(device: torch.device) -> dict[str, Any]:
@@ -168,20 +189,13 @@ def pdl_sweep(device: torch.device) -> list[dict[str, Any]]:
     for batch, context in ((1, 512), (1, 4096), (16, 512), (16, 4096), (64, 4096)):
         problem = DecodeProblem(batch, context, device)
         expected = problem.sdpa().float()
-        best_sdpa = min(
-            ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
-        )
+        best_sdpa = problem.best_peer_ms()
         for block_size, pdl in itertools.product(BLOCK_SIZES, (0, 1)):
             provider = TritonProvider()
             for name in ("decode_launch", "decode_launch_one_wave"):
                 setattr(provider, name, {**getattr(provider, name), "pdl": pdl})
             result = measure(problem, provider, block_size, expected)
-            rows.append({
-                "batch": batch, "context": context, "block": block_size, "pdl": pdl,
-                "splits": result["kv_splits"], "us": result["ms"] * 1e3,
-                "best_sdpa_us": best_sdpa * 1e3, "vs_best_sdpa": best_sdpa / result["ms"],
-                "max_err": result["max_abs_err_vs_sdpa"],
-            })  # fmt: skip
+            rows.append(sweep_row(problem, block_size, {"pdl": pdl}, result, best_sdpa))
         del problem
         torch.cuda.empty_cache()
     _timing.print_table(list(rows[0]), rows)
@@ -200,9 +214,7 @@ def sweep(device: torch.device) -> list[dict[str, Any]]:
     }
     for (batch, context), split_choices in shapes.items():
         problem = DecodeProblem(batch, context, device)
-        best_sdpa = min(
-            ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
-        )
+        best_sdpa = problem.best_peer_ms()
         for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4), (2, 3)):
             for splits in split_choices:
                 if context // splits < block_n:
@@ -277,9 +289,7 @@ def hopper_sweep(device: torch.device, names: list[str]) -> list[dict[str, Any]]
     for batch, context, splits in shapes:
         problem = DecodeProblem(batch, context, device)
         expected = problem.sdpa().float()
-        best_sdpa = min(
-            ms for ms in (problem.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None
-        )
+        best_sdpa = problem.best_peer_ms()
         for block_size, name in itertools.product(BLOCK_SIZES, names):
             launch = HOPPER_VARIANTS[name]
             if splits and launch is None:
@@ -290,12 +300,7 @@ def hopper_sweep(device: torch.device, names: list[str]) -> list[dict[str, Any]]
             if splits:
                 provider._num_kv_splits = lambda *_, s=splits: s
             result = measure(problem, provider, block_size, expected)
-            rows.append({
-                "batch": batch, "context": context, "block": block_size, "variant": name,
-                "splits": result["kv_splits"], "us": result["ms"] * 1e3,
-                "best_sdpa_us": best_sdpa * 1e3, "vs_best_sdpa": best_sdpa / result["ms"],
-                "max_err": result["max_abs_err_vs_sdpa"],
-            })  # fmt: skip
+            rows.append(sweep_row(problem, block_size, {"variant": name}, result, best_sdpa))
         del problem
         torch.cuda.empty_cache()
     _timing.print_table(list(rows[0]), rows)

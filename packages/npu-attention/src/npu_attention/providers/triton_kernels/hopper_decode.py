@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from npu_attention.providers.triton_kernels.paged_attention import merge_splits
+from npu_attention.providers.triton_kernels.paged_attention import merge_splits, split_buffers
 
 try:
     from triton.experimental import gluon
@@ -162,17 +162,7 @@ def hopper_decode(
     k_desc = _page_descriptor(key_cache, page_rows, dtype)
     v_desc = _page_descriptor(value_cache, page_rows, dtype)
     split = num_splits > 1
-    if split:
-        partial_out = torch.empty(
-            (num_tokens * num_heads * num_splits, head_size),
-            dtype=torch.float32,
-            device=query.device,
-        )
-        partial_lse = torch.empty(
-            num_tokens * num_heads * num_splits, dtype=torch.float32, device=query.device
-        )
-    else:
-        partial_out = partial_lse = out
+    partial_out, partial_lse = split_buffers(out, num_splits, head_size) if split else (out, out)
     write_lse = lse is not None and not split
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     _hopper_decode_kernel[(num_reqs, num_kv_heads, num_splits)](

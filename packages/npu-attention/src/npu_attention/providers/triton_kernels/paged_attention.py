@@ -701,17 +701,7 @@ def paged_attention(
         k_desc = _page_tile_descriptor(key_cache, config.block_n, head_pad)
         v_desc = _page_tile_descriptor(value_cache, config.block_n, head_pad)
     split = num_splits > 1
-    if split:
-        partial_out = torch.empty(
-            (num_tokens * num_heads * num_splits, head_pad),
-            dtype=torch.float32,
-            device=query.device,
-        )
-        partial_lse = torch.empty(
-            num_tokens * num_heads * num_splits, dtype=torch.float32, device=query.device
-        )
-    else:
-        partial_out = partial_lse = out
+    partial_out, partial_lse = split_buffers(out, num_splits, head_pad) if split else (out, out)
     use_pdl = config.pdl and pdl_supported(query.device)
     # PTX, so CUDA only; with a sliding window the first keys are not at position 0.
     prefetch = config.prefetch_tiles > 0 and query.device.type == "cuda"
@@ -779,6 +769,19 @@ def paged_attention(
         merge_splits(
             out, partial_out, partial_lse, lse, cu_seqlens_q, num_reqs, num_splits, pdl=use_pdl
         )
+
+
+def split_buffers(
+    out: torch.Tensor, num_splits: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial results of a decode split ``num_splits`` ways, for ``out`` ``[tokens,
+    heads, head_size]``: float32 outputs ``[tokens * heads * num_splits, width]`` and
+    log2-domain LSEs ``[tokens * heads * num_splits]`` (row ``(token * heads + head) *
+    num_splits + split``), as :func:`merge_splits` reads them."""
+    rows = out.shape[0] * out.shape[1] * num_splits
+    partial_out = torch.empty((rows, width), dtype=torch.float32, device=out.device)
+    partial_lse = torch.empty(rows, dtype=torch.float32, device=out.device)
+    return partial_out, partial_lse
 
 
 def merge_splits(
