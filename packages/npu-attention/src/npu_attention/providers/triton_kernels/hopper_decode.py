@@ -2,16 +2,17 @@
 
 A decode program (one request, one KV head, one share of its keys) has little to
 compute: the query heads of one KV head times its query tokens, a few rows against
-every key. What limits it is how many bytes of K and V each multiprocessor keeps in
-flight. The portable kernel issues its loads from the same warps that compute, a
-tile or two ahead; this kernel gives the loads to their own warp:
+every key. Its time is memory's: the trips for its lengths and page ids before the
+first K/V arrive, then the stream of K and V. The portable kernel issues its loads
+from the warps that compute, after each tile's page id; this kernel gives the loads
+to a warp of their own:
 
 - one loader warp reads the block table one tile ahead and fetches each tile's pages
   with the tensor-memory accelerator into a ring of shared-memory stages (``STAGES``
   tiles in flight), signalling each stage on an mbarrier;
-- one consumer of four (or eight) warps computes ``Q @ K^T``, the online softmax and ``P @ V`` with
-  ``mma.sync`` (a decode's rows are too few for a warpgroup MMA) and frees each stage
-  once its K and V are in registers.
+- a consumer of four (or eight) warps computes ``Q @ K^T``, the online softmax and
+  ``P @ V`` with ``mma.sync`` (a decode's rows are too few for a warpgroup MMA) and
+  frees each stage once its K and V are in registers.
 
 It covers one-token and speculative decodes (query tokens causal among themselves),
 GQA, head sizes 64/128/256 (16-bit), page sizes that are powers of two from 8 tokens
