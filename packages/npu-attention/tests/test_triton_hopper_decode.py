@@ -100,6 +100,7 @@ HOPPER_CASES = {
     "spec_2_tokens": ([0, 20, 64, 1000], (32, 8), 128, 16, torch.bfloat16, 2),
     "spec_3_tokens_block_128": ([1, 126, 127, 3000], (32, 8), 128, 128, torch.bfloat16, 3),
     "spec_15_mha_head_64": ([0, 16, 200], (4, 4), 64, 16, torch.float16, 15),
+    "rows_24": ([0, 17, 300, 1000], (32, 4), 128, 16, torch.bfloat16, 2),
     "rows_64": ([10, 100, 1000], (64, 4), 128, 16, torch.bfloat16, 3),
 }  # fmt: skip
 
