@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_provider import Batch, assert_matches_reference
+from test_triton_provider import Batch, assert_matches_reference, record_launches
 from triton_interpreter import HAS_CUDA
 
 from npu_attention.providers import triton as triton_provider
@@ -41,17 +41,11 @@ def _decode(
 
 
 def _count_hopper_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Calls of the Gluon decode's launcher from here on (the launches still run)."""
+    """The split count of each call of the Gluon decode's launcher from here on (the
+    launches still run)."""
     kernels = triton_provider._hopper_decode_kernels(torch.device("cuda"))
     assert kernels is not None, "this GPU and Triton should take the Hopper kernel"
-    launches, launch = [], kernels.hopper_decode
-
-    def counting(*args: object, **kwargs: object) -> None:
-        launches.append(kwargs["num_splits"])
-        launch(*args, **kwargs)
-
-    monkeypatch.setattr(kernels, "hopper_decode", counting)
-    return launches
+    return record_launches(monkeypatch, kernels, "hopper_decode", lambda kw: kw["num_splits"])
 
 
 # ---------------------------------------------------------------- the choice (any machine)

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_provider import Batch, assert_matches_reference, attend_with_own_rows
+from test_triton_provider import (
+    Batch,
+    assert_matches_reference,
+    attend_with_own_rows,
+    record_launches,
+)
 from triton_interpreter import HAS_CUDA
 
 from npu_attention.providers import triton as triton_provider
@@ -36,14 +41,7 @@ def _count_hopper_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Calls of the Gluon kernel's launcher from here on (the launches still run)."""
     kernels = triton_provider._hopper_prefill_kernels(torch.device("cuda"))
     assert kernels is not None, "this GPU and Triton should take the Hopper kernel"
-    launches, launch = [], kernels.hopper_prefill
-
-    def counting(*args: object, **kwargs: object) -> None:
-        launches.append(1)
-        launch(*args, **kwargs)
-
-    monkeypatch.setattr(kernels, "hopper_prefill", counting)
-    return launches
+    return record_launches(monkeypatch, kernels, "hopper_prefill")
 
 
 # ---------------------------------------------------------------- the choice (any machine)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -172,6 +173,24 @@ class Batch:
         out = torch.full_like(self.query, float("nan"))
         provider.attend(self.query, self.key_cache, self.value_cache, self.plan, out)
         return out
+
+
+def record_launches(
+    monkeypatch: pytest.MonkeyPatch,
+    kernels: object,
+    name: str,
+    record: Callable[[dict], object] = lambda kwargs: 1,
+) -> list:
+    """Calls of ``kernels.<name>`` from here on, each as ``record(kwargs)`` (the calls
+    still run)."""
+    launches, launch = [], getattr(kernels, name)
+
+    def recording(*args: object, **kwargs: object) -> None:
+        launches.append(record(kwargs))
+        launch(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, name, recording)
+    return launches
 
 
 def assert_matches_reference(batch: Batch, out: torch.Tensor) -> None:

@@ -127,14 +127,13 @@ class TritonProvider(AttentionProvider):
         # most one per multiprocessor), on the same GPUs and Triton, without a sliding
         # window or soft cap: the Gluon kernel of ``hopper_decode.py`` (a TMA loader warp
         # keeping ``num_stages`` K/V tiles of ``block_n`` keys in flight, a consumer of
-        # ``num_warps`` warps; ``pdl`` as for ``decode_launch``, off: it slowed split
-        # decodes on an H100, 1 x 4096 from 18.0 / 17.5 to 19.7 / 19.3 us and 4 x 4096 from
-        # 39.9 / 40.0 to 44.1 / 44.4, and left 16 x 512 unchanged), split to fill one wave.
-        # On an H100 (graph replay, L2
-        # cleared, block 128 / 16), 2 stages took 23.0 / 23.1 us at 16 x 512 against
-        # 23.6 / 24.1 with 4 and 24.0 / 24.6 with 6 (the portable kernel: 24.6 / 25.6;
-        # best SDPA 23.1); at 64 x 4096 (four waves) it was slower than the portable
-        # kernel (372 / 379 against 368 / 370 us).
+        # ``num_warps`` warps), split to fill one wave. On an H100 (graph replay, L2
+        # cleared, block 128 / 16): 2 stages took 23.0 / 23.1 us at 16 x 512 against
+        # 23.6 / 24.1 with 4 and 24.0 / 24.6 with 6 (the portable kernel: 24.6 / 25.6; best
+        # SDPA 23.1); at 64 x 4096 (four waves) it was slower than the portable kernel
+        # (372 / 379 against 368 / 370 us); ``pdl`` (as for ``decode_launch``) slowed split
+        # decodes (1 x 4096: 18.0 / 17.5 -> 19.7 / 19.3 us; 4 x 4096: 39.9 / 40.0 ->
+        # 44.1 / 44.4) and left 16 x 512 unchanged, so it is off.
         self.hopper_decode = True
         self.hopper_decode_launch: dict[str, int] = {
             "block_n": 64,
@@ -349,7 +348,7 @@ class TritonProvider(AttentionProvider):
             stages=self.hopper_decode_launch["num_stages"],
             block_n=self.hopper_decode_launch["block_n"],
             num_warps=self.hopper_decode_launch["num_warps"],
-            pdl=bool(self.hopper_decode_launch.get("pdl")) and _pdl_supported(query.device),
+            pdl=bool(self.hopper_decode_launch.get("pdl")),
         )
         return True
 
@@ -479,12 +478,6 @@ def _hopper_prefill_kernels(device: torch.device):
 def _hopper_decode_kernels(device: torch.device):
     """The ``hopper_decode`` module where ``device`` can run it, else ``None``."""
     return _gluon_kernels(device, "hopper_decode")
-
-
-def _pdl_supported(device: torch.device) -> bool:
-    from npu_attention.providers.triton_kernels.paged_attention import pdl_supported
-
-    return pdl_supported(device)
 
 
 def _multiprocessors(device: torch.device) -> int:

@@ -22,11 +22,14 @@ log-sum-exp. Sliding windows and soft caps stay on the portable kernel.
 checks the device (compute capability 9.x).
 """
 
-import functools
-
 import torch
 
-from npu_attention.providers.triton_kernels.paged_attention import merge_splits, split_buffers
+from npu_attention.providers.triton_kernels.paged_attention import (
+    merge_splits,
+    pdl_supported,
+    split_buffers,
+)
+from npu_attention.providers.triton_kernels.utils import nvmma_shared_layout
 
 try:
     from triton.experimental import gluon
@@ -140,7 +143,7 @@ def hopper_decode(
         num_splits: programs along each request's keys; their partial results are
             merged by a second kernel.
         pdl: launch this kernel and the merge with programmatic dependent launch (each
-            may start while the kernel before it finishes; the caller checks the GPU).
+            may start while the kernel before it finishes) where the GPU has it.
         lse: optional float32 ``[>= tokens, heads]``: each real row's natural-log
             log-sum-exp, ``-inf`` for a row that sees no key.
         stages: K/V tiles in flight, at most :func:`max_stages`.
@@ -166,6 +169,7 @@ def hopper_decode(
     partial_out, partial_lse = split_buffers(out, num_splits, head_size) if split else (out, out)
     write_lse = lse is not None and not split
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
+    pdl = pdl and pdl_supported(query.device)
     _hopper_decode_kernel[(num_reqs, num_kv_heads, num_splits)](
         query,
         k_desc,
@@ -202,16 +206,11 @@ def hopper_decode(
         )
 
 
-@functools.lru_cache(maxsize=32)
-def _shared_layout(rows: int, head_size: int, dtype):
-    return gl.NVMMASharedLayout.get_default_for([rows, head_size], dtype)
-
-
 def _page_descriptor(cache: torch.Tensor, page_rows: int, dtype) -> "TensorDescriptor":
     """A 2-D descriptor over ``cache`` seen as ``[num_blocks * block_size, kv_heads *
     head_size]``; a box is ``page_rows`` rows of one page and one KV head."""
     num_blocks, block_size, kv_heads, head_size = cache.shape
-    layout = _shared_layout(page_rows, head_size, dtype)
+    layout = nvmma_shared_layout(page_rows, head_size, dtype)
     return TensorDescriptor(
         cache,
         [num_blocks * block_size, kv_heads * head_size],

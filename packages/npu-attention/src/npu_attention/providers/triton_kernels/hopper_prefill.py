@@ -20,11 +20,9 @@ portable kernel. Gluon, ``wgmma`` and TMA need Triton 3.5+ and compute capabilit
 (sm_90a); :func:`hopper_prefill_supported` says whether a call can take this path.
 """
 
-import functools
-
 import torch
 
-from npu_attention.providers.triton_kernels.utils import multiprocessor_count
+from npu_attention.providers.triton_kernels.utils import multiprocessor_count, nvmma_shared_layout
 
 try:
     from triton.experimental import gluon
@@ -161,16 +159,11 @@ def key_tile(head_size: int) -> int:
     return 128 if head_size <= 128 else 64
 
 
-@functools.lru_cache(maxsize=32)
-def _shared_layout(rows: int, head_size: int, dtype):
-    return gl.NVMMASharedLayout.get_default_for([rows, head_size], dtype)
-
-
 def _row_descriptor(t: torch.Tensor, rows: int, dtype) -> "TensorDescriptor":
     """A 2-D descriptor over ``t`` seen as ``[tokens, heads * head_size]``; a box is
     ``rows`` tokens of one head."""
     tokens, heads, head_size = t.shape
-    layout = _shared_layout(rows, head_size, dtype)
+    layout = nvmma_shared_layout(rows, head_size, dtype)
     return TensorDescriptor(
         t, [tokens, heads * head_size], [t.stride(0), 1], [rows, head_size], layout
     )

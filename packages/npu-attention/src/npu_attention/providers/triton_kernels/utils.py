@@ -20,3 +20,12 @@ def multiprocessor_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=32)
+def nvmma_shared_layout(rows: int, cols: int, dtype):
+    """Gluon's default swizzled shared-memory layout of a ``[rows, cols]`` tile of
+    ``dtype`` (what TMA copies and the MMAs read); needs Triton with Gluon."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
