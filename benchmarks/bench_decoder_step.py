@@ -155,7 +155,7 @@ def measure_graph(
         t1 = time.perf_counter()
         step = steps.plan_step(inputs)
         t2 = time.perf_counter()
-        registry.update(batch, step, changed=True)
+        registry.update(batch, step)
         t3 = time.perf_counter()
         with graph_dispatch(RuntimeMode.FULL, key=batch):
             wrapper(*steps.inputs(batch), step)

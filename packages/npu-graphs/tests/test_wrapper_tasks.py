@@ -80,21 +80,20 @@ def test_skipping_update_replays_stale_step_state(backend, device):
     torch.testing.assert_close(engine.step(x, second), engine.reference(x, second), **TOL)
 
 
-def test_unchanged_step_reissues_nothing(backend, device):
+def test_every_update_reissues_and_a_replay_runs_the_last(backend, device):
     engine = Engine(backend, device)
     x = torch.randn(4, HIDDEN).to(device)
     engine.step(x, [4])
     step = make_step(backend, [4], MAX_REQS, device)
-    assert engine.registry.update(4, step) is (not backend.supports_task_update)
-    assert engine.registry.update(4, step) is (not backend.supports_task_update)
-    assert engine.registry.update(4, make_step(backend, [1, 3], MAX_REQS, device)) is True
-    assert engine.registry.update(4, step, changed=False) is False
-    assert engine.registry.update(4, step, changed=True) is True
+    engine.registry.update(4, step)
+    engine.registry.update(4, step)
+    engine.registry.update(4, make_step(backend, [1, 3], MAX_REQS, device))
+    engine.registry.update(4, step)
     torch.testing.assert_close(engine.step(x, [4], update=False), engine.reference(x, [4]), **TOL)
 
 
-def test_step_comparison_sees_changes_inside_nested_values():
-    from npu_graphs.tasks import _equal, _freeze
+def test_baked_values_compare_by_value_inside_nested_values():
+    from npu_graphs.tasks import _baked_copy, _same_value
 
     step = {
         "seq_lens": [3, 1],
@@ -108,17 +107,17 @@ def test_step_comparison_sees_changes_inside_nested_values():
         "flag": True,
         "lens": torch.tensor([3, 1]),
     }
-    assert _equal(_freeze(step), _freeze(same))
+    baked = {name: _baked_copy(value) for name, value in step.items()}
+    assert all(_same_value(baked[name], value) for name, value in same.items())
     for name, value in [
         ("seq_lens", [3, 2]),
         ("block_table", [[1, 2], [3, 5]]),
         ("flag", False),
         ("lens", torch.tensor([3, 2])),
     ]:
-        assert not _equal(_freeze(step), _freeze({**step, name: value})), name
-    frozen = _freeze(step)
-    step["block_table"][1][1] = 9  # mutated in place after the snapshot
-    assert not _equal(frozen, _freeze(step))
+        assert not _same_value(baked[name], value), name
+    step["block_table"][1][1] = 9  # mutated in place after the capture
+    assert not _same_value(baked["block_table"], step["block_table"])
 
 
 def test_piecewise_wrappers_inside_full_capture_run_eagerly(backend, device):

@@ -15,8 +15,6 @@ that key's graphs to the new step:
   registry keeps them alive and each update copies the new step's tensors into them
   (tasks handed the same tensor share one buffer and one copy; a step that passes the
   buffer itself costs no copy).
-
-Nothing is re-issued when the step equals the last one applied.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ class UpdatableTask:
     handle: Any  # backend task-group handle; None when the task has no host step values
     host_names: tuple[str, ...]
     buffers: dict[str, torch.Tensor]
-    captured_host: dict[str, Any]  # frozen host values, checked where they cannot change
+    baked: dict[str, Any]  # host values as captured, where the backend cannot update them
 
     def step_kwargs(self, step: Any) -> Mapping[str, Any]:
         return _derive(self.derive, step)
@@ -79,17 +77,12 @@ class TaskIssue:
 
 @dataclasses.dataclass
 class _GraphTasks:
-    """The tasks of one captured graph and the step last applied to them."""
+    """The tasks of one captured graph; ``armed`` once updated or released for a replay."""
 
     backend: GraphBackend
     graph: Any
     tasks: list[UpdatableTask]
-    last_step: Any = None
     armed: bool = False
-    capture_step: Any = None  # the step object every task was captured with, if one
-
-
-_NEVER_EQUAL = object()
 
 
 class TaskRegistry:
@@ -124,7 +117,7 @@ class TaskRegistry:
         """Run ``fn(*args, **kwargs, **derive(step))``; inside a capture, record it as a task.
 
         ``derive`` (default: ``step`` itself, which must then be a Mapping) must be cheap:
-        it runs once per task per changed step.
+        it runs once per task per update.
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -163,21 +156,16 @@ class TaskRegistry:
             )
         finally:
             session.in_task = False
-        captured_host = {} if grouped else {k: _freeze(v) for k, v in host.items()}
+        baked = {} if grouped else {k: _baked_copy(v) for k, v in host.items()}
         # A backend that records tasks whole updates them by their host values alone:
         # keeping the capture-time arguments would keep the capture's activations alive.
         if backend.records_tasks_whole and grouped:
             args, kwargs = None, None
         task = UpdatableTask(
             fn, args, None if kwargs is None else dict(kwargs), derive, handle, tuple(host),
-            buffers, captured_host,
+            buffers, baked,
         )  # fmt: skip
-        graph_tasks = self._pending_graph(session)
-        if not graph_tasks.tasks:
-            graph_tasks.capture_step = step
-        elif graph_tasks.capture_step is not step:
-            graph_tasks.capture_step = _NEVER_EQUAL
-        graph_tasks.tasks.append(task)
+        self._pending_graph(session).tasks.append(task)
         return result
 
     def _pending_graph(self, session: CaptureSession) -> _GraphTasks:
@@ -200,8 +188,6 @@ class TaskRegistry:
             )
         if graph_tasks is None:
             return
-        step = graph_tasks.capture_step
-        graph_tasks.last_step = _NEVER_EQUAL if step is _NEVER_EQUAL else _freeze(step)
         self._graphs.setdefault(key, []).append(graph_tasks)
 
     def abort_capture(self, session: CaptureSession) -> None:
@@ -217,13 +203,11 @@ class TaskRegistry:
             self._graphs.pop(key, None)
 
     # -- per step -------------------------------------------------------------------
-    def update(self, key: Hashable, step: Any, *, changed: bool | None = None) -> bool:
+    def update(self, key: Hashable, step: Any) -> None:
         """Bring every task captured under ``key`` to ``step``; call once per step before replay.
 
-        Returns True if tasks were re-issued, False if ``step`` equals the last step
-        applied (then nothing is re-issued; the tasks are only released for replay).
-        ``changed`` skips that comparison when the caller knows the answer: True
-        re-issues, False only releases (the caller vouches the step is the last one).
+        Every task is re-issued with the host values of ``step`` and its device tensors
+        are copied into the task's fixed buffers.
 
         Raises:
             GraphCaptureError: called while a capture is under way.
@@ -241,18 +225,10 @@ class TaskRegistry:
                 f"{self._label}: no graph captured for key {key!r}; captured keys: "
                 f"{sorted(map(repr, self._graphs))}"
             )
-        frozen = _freeze(step) if changed is None else _NEVER_EQUAL
-        reissued = False
         for graph_tasks in graphs:
-            reissued |= self._update_graph(graph_tasks, step, frozen, changed)
-        return reissued
+            self._update_graph(graph_tasks, step)
 
-    def _update_graph(
-        self, graph_tasks: _GraphTasks, step: Any, frozen: Any, changed: bool | None
-    ) -> bool:
-        if changed is False or (changed is None and _equal(frozen, graph_tasks.last_step)):
-            self._release(graph_tasks)
-            return False
+    def _update_graph(self, graph_tasks: _GraphTasks, step: Any) -> None:
         copied: set[int] = set()
         updates = []
         for index, task in enumerate(graph_tasks.tasks):
@@ -265,9 +241,7 @@ class TaskRegistry:
                 self._check_baked(index, task, host)
         if updates:
             graph_tasks.backend.update_tasks(graph_tasks.graph, updates)
-        graph_tasks.last_step = frozen
         graph_tasks.armed = True
-        return True
 
     def _copy_buffers(
         self, index: int, task: UpdatableTask, step_kwargs: Mapping[str, Any], copied: set[int]
@@ -290,7 +264,7 @@ class TaskRegistry:
 
     def _check_baked(self, index: int, task: UpdatableTask, host: Mapping[str, Any]) -> None:
         for name, value in host.items():
-            if not _equal(_freeze(value), task.captured_host[name]):
+            if not _same_value(task.baked[name], value):
                 raise TaskUpdateError(
                     f"{self._label}: task {index} step argument {name!r} is a host value baked "
                     "into the graph, and this backend cannot update it; pass it as a device "
@@ -389,64 +363,33 @@ def _derive(derive: Derive | None, step: Any) -> Mapping[str, Any]:
     return step_kwargs
 
 
-class _Unequal:
-    """A frozen value equal to nothing (device tensors: comparing them would sync)."""
-
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        return False
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class _FrozenTensor:
-    """A CPU tensor snapshot that compares by value."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor.detach().clone()
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _FrozenTensor):
-            return False
-        a, b = self.tensor, other.tensor
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-_SCALARS = frozenset({int, float, bool, str, type(None)})
-
-
-def _freeze(value: Any) -> Any:
-    """An immutable snapshot of a step value that compares with ``==`` (see ``_equal``).
-
-    Lists become tuples (flat lists of scalars in one C-level pass), CPU tensors are
-    cloned, device tensors never compare equal (that would synchronize).
-    """
-    kind = type(value)
-    if kind in _SCALARS:
-        return value
-    if kind is list or kind is tuple:
-        if _SCALARS.issuperset(map(type, value)):
-            return tuple(value)
-        return tuple(map(_freeze, value))
+def _baked_copy(value: Any) -> Any:
+    """A host step value as the capture baked it: host tensors and lists copied (callers
+    refill theirs in place), other values kept as given."""
     if isinstance(value, torch.Tensor):
-        return _FrozenTensor(value) if value.device.type == "cpu" else _Unequal()
-    if isinstance(value, Mapping):
-        return ("mapping", tuple((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(map(_freeze, value))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = dataclasses.fields(value)
-        return (kind, tuple(_freeze(getattr(value, f.name)) for f in fields))
-    if hasattr(value, "__array__") and hasattr(value, "dtype"):
-        return ("array", str(value.dtype), tuple(value.shape), value.tobytes())
+        return value.detach().clone()
+    if type(value) in (list, tuple):
+        return type(value)(map(_baked_copy, value))
     return value
 
 
-def _equal(a: Any, b: Any) -> bool:
-    """Equality of two frozen values (C-level tuple comparison)."""
-    return type(a) is type(b) and bool(a == b)
+def _same_value(baked: Any, value: Any) -> bool:
+    """Whether ``value`` equals the ``baked`` one: tensors by dtype, shape and values,
+    lists and tuples item by item, anything else by ``==``."""
+    if isinstance(baked, torch.Tensor) or isinstance(value, torch.Tensor):
+        return (
+            isinstance(baked, torch.Tensor)
+            and isinstance(value, torch.Tensor)
+            and (baked.dtype, baked.shape, baked.device) == (value.dtype, value.shape, value.device)
+            and torch.equal(baked, value)
+        )
+    if type(baked) in (list, tuple):
+        return (
+            type(value) is type(baked)
+            and len(value) == len(baked)
+            and all(map(_same_value, baked, value))
+        )
+    try:
+        return type(value) is type(baked) and bool(value == baked)
+    except (RuntimeError, ValueError):  # it holds tensors or arrays: == is elementwise
+        return False
