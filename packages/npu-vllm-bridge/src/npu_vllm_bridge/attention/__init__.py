@@ -1,15 +1,7 @@
-"""vLLM attention backend over npu-attention: backend class, metadata builder, impl."""
+"""vLLM attention backends over npu-attention: ``backend`` (the classes vLLM selects),
+``builder`` / ``mla_builder`` (one plan per step), ``impl`` / ``mla_impl`` (one layer),
+``tasks`` (each op as an updatable graph task), ``capabilities`` (what they serve).
 
-from npu_vllm_bridge.attention.backend import BACKEND_NAME, NPUBridgeAttentionBackend
-from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata, BridgeMetadataBuilder
-from npu_vllm_bridge.attention.impl import BridgeAttentionImpl
-from npu_vllm_bridge.attention.kv_cache import split_kv_cache
-
-__all__ = [
-    "BACKEND_NAME",
-    "BridgeAttentionImpl",
-    "BridgeAttentionMetadata",
-    "BridgeMetadataBuilder",
-    "NPUBridgeAttentionBackend",
-    "split_kv_cache",
-]
+Nothing is imported here: the platform modules import ``capabilities`` while vLLM
+resolves its platform, before the backend's vLLM modules can load.
+"""

@@ -1,63 +1,89 @@
-"""The vLLM ``AttentionBackend`` class: what the bridge's attention supports."""
+"""vLLM's ``AttentionBackend`` classes of the bridge: what its attention supports.
+
+One class for GQA/MQA layers (``npu_attention.plan`` / ``run``) and one for MLA layers
+(npu-attention's MLA API); both register as vLLM's ``CUSTOM`` backend, the name vLLM's
+``Attention`` and ``MLAAttention`` layers look up, and differ only in the impl and
+builder they name and in what vLLM's base classes require of them.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
+from vllm.config.cache import CacheDType
+from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
 from vllm.v1.attention.backend import AttentionBackend, AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-import npu_attention
-from npu_vllm_bridge.platforms.checks import KERNEL_BLOCK_SIZES, attention_head_sizes
+from npu_vllm_bridge.attention.builder import BridgeMetadataBuilder
+from npu_vllm_bridge.attention.capabilities import (
+    KERNEL_BLOCK_SIZES,
+    SUPPORTED_DTYPES,
+    attention_head_sizes,
+)
+from npu_vllm_bridge.attention.impl import BridgeAttentionImpl
+from npu_vllm_bridge.attention.mla_builder import BridgeMLAMetadataBuilder
+from npu_vllm_bridge.attention.mla_impl import BridgeMLAImpl
 
-if TYPE_CHECKING:
-    from vllm.config.cache import CacheDType
-
-    from npu_vllm_bridge.attention.builder import BridgeMetadataBuilder
-    from npu_vllm_bridge.attention.impl import BridgeAttentionImpl
-
-# vLLM's Attention layer looks ``get_name()`` up in AttentionBackendEnum, so an
-# out-of-tree backend lives under the CUSTOM member.
+# vLLM's layers look ``get_name()`` up in AttentionBackendEnum: out-of-tree is CUSTOM.
 BACKEND_NAME = "CUSTOM"
 
 
-class NPUBridgeAttentionBackend(AttentionBackend):
-    """Paged attention through ``npu_attention.plan`` / ``npu_attention.run``.
+class BridgeBackendMixin:
+    """What both bridge backends declare: dtypes, block sizes, decoder layers only, no
+    KV connector, KV cache in the model dtype; and their registration as CUSTOM."""
 
-    Decoder self-attention (causal) over a paged KV cache, with GQA/MQA, sliding
-    window and logits soft cap; the KV-cache write happens inside ``forward``.
-    """
-
-    supported_dtypes: ClassVar[list[torch.dtype]] = list(npu_attention.SUPPORTED_DTYPES)
-    # The kernels read K/V in the model dtype: no quantized (fp8, int8, ...) caches.
+    supported_dtypes: ClassVar[list[torch.dtype]] = list(SUPPORTED_DTYPES)
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = ["auto"]
-    forward_includes_kv_cache_update: bool = True
 
     @staticmethod
     def get_name() -> str:
         return BACKEND_NAME
 
     @staticmethod
-    def get_impl_cls() -> type[BridgeAttentionImpl]:
-        from npu_vllm_bridge.attention.impl import BridgeAttentionImpl
-
-        return BridgeAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[BridgeMetadataBuilder]:
-        from npu_vllm_bridge.attention.builder import BridgeMetadataBuilder
-
-        return BridgeMetadataBuilder
-
-    @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
         return list(KERNEL_BLOCK_SIZES)
 
     @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @classmethod
+    def class_path(cls) -> str:
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    @classmethod
+    def register(cls) -> str:
+        """Register this class as vLLM's ``CUSTOM`` backend (idempotent); its path."""
+        register_backend(AttentionBackendEnum.CUSTOM, cls.class_path())
+        return cls.class_path()
+
+
+class NPUBridgeAttentionBackend(BridgeBackendMixin, AttentionBackend):
+    """Paged attention through ``npu_attention.plan`` / ``npu_attention.run``.
+
+    Decoder self-attention (causal) over a paged KV cache, with GQA/MQA, sliding
+    window and logits soft cap; the KV-cache write happens inside ``forward``.
+    """
+
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_impl_cls() -> type[BridgeAttentionImpl]:
+        return BridgeAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[BridgeMetadataBuilder]:
+        return BridgeMetadataBuilder
+
+    @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        # The head sizes of the npu-attention provider the current platform uses.
         return list(attention_head_sizes()[1])
 
     @classmethod
@@ -70,18 +96,20 @@ class NPUBridgeAttentionBackend(AttentionBackend):
     def supports_sliding_window(cls) -> bool:
         return True
 
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
+
+class NPUBridgeMLABackend(BridgeBackendMixin, MLACommonBackend):
+    """Multi-head latent attention over a paged latent cache (one row of
+    ``kv_lora_rank + qk_rope_head_dim`` per token, vLLM's MLA cache). The latent
+    widths a provider takes are checked at start-up, so every head size passes here."""
+
+    @staticmethod
+    def get_impl_cls() -> type[BridgeMLAImpl]:
+        return BridgeMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[BridgeMLAMetadataBuilder]:
+        return BridgeMLAMetadataBuilder
 
     @classmethod
-    def supports_kv_connector(cls) -> bool:
-        return False
-
-
-def register() -> None:
-    """Register the backend as vLLM's ``CUSTOM`` attention backend (idempotent)."""
-    register_backend(
-        AttentionBackendEnum.CUSTOM,
-        f"{NPUBridgeAttentionBackend.__module__}.{NPUBridgeAttentionBackend.__qualname__}",
-    )
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any latent width; the provider's limits are checked at start-up

@@ -1,10 +1,16 @@
-"""vLLM ``CommonAttentionMetadata`` -> one ``npu_attention`` plan per step."""
+"""vLLM ``CommonAttentionMetadata`` -> one ``npu_attention`` plan per step.
+
+:class:`BridgeBuilderBase` is the skeleton both bridge builders share: host lengths of
+the step, graph padding turned into decodes that write nothing, the longest context at
+capture, then the subclass's plan. :class:`BridgeMetadataBuilder` plans GQA/MQA layers;
+the MLA builder (``mla_builder.py``) keeps only what MLA does differently.
+"""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 from vllm.config import VllmConfig, get_layers_from_vllm_config
@@ -18,41 +24,44 @@ from vllm.v1.attention.backend import (
 import npu_attention
 from npu_attention import AttentionPlan, AttentionSpec
 from npu_vllm_bridge.attention.context_parallel import DCPPlans, dcp_layout_of, plan_dcp
+from npu_vllm_bridge.settings import PREFIX, current_settings
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
 
+M = TypeVar("M")
+
 
 @dataclass
-class BridgeAttentionMetadata:
-    """What every attention layer of one KV-cache group reads in one step.
+class StepLengths:
+    """A step's per-request host lengths after graph padding.
 
     Attributes:
-        plan: the step's ``npu_attention`` plan (host lists and device tensors); under
-            decode context parallelism, the new tokens' plan (``dcp.new_plan``).
-        num_actual_tokens: query rows in the step, graph padding included.
-        for_capture: built for graph capture (dummy batch of the largest context).
-        dcp: the step's plans under decode context parallelism, else ``None``.
+        query_lens, seq_lens: per request, padding requests included.
+        num_real: requests before the trailing graph padding (query length 0 from vLLM).
+        longest: ``seq_lens`` are the capture's longest contexts, not the step's.
     """
 
-    plan: AttentionPlan
-    num_actual_tokens: int
-    for_capture: bool = False
-    dcp: DCPPlans | None = None
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_real: int
+    longest: bool
+
+    def as_given(self, cm: CommonAttentionMetadata) -> bool:
+        """Whether the lengths are vLLM's own (no padding changed, no capture lengths)."""
+        return not self.longest and self.num_real == cm.num_reqs
 
 
-class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
-    """Builds a :class:`BridgeAttentionMetadata` per step.
+class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
+    """What both bridge builders share; subclasses give ``layer_spec`` and ``plan_step``.
 
     vLLM reorders each batch so that decodes (query length 1, or up to
-    ``1 + num_speculative_tokens`` with a drafter) come first, as
-    ``npu_attention.plan`` expects. Graph support: the attention op is
-    re-issued from each step's host lists before replay, so one graph serves
-    every decode batch of its size; a mixed prefill/decode step picks other
-    kernels than the decode step that was captured, so only uniform decode
-    batches replay FULL graphs: single-token decodes, or with a drafter the
-    verify steps of ``1 + k`` tokens per request (vLLM's
-    ``uniform_decode_query_len``).
+    ``1 + num_speculative_tokens`` with a drafter) come first, as ``npu_attention.plan``
+    expects. Graph support: the attention tasks are re-issued with each step's plan
+    before replay, so one graph serves every decode batch of its size; a mixed step picks
+    other kernels than the decode step captured, so only uniform decode batches replay
+    FULL graphs: single-token decodes, or with a drafter verify steps of ``1 + k``
+    tokens per request (vLLM's ``uniform_decode_query_len``).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
@@ -73,11 +82,12 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         # With a drafter, vLLM's host seq_lens are only upper bounds (draft steps
         # after rejected tokens lower the device ones): read the exact ones.
         self.exact_seq_lens = vllm_config.speculative_config is not None
-        self.spec = attention_spec_for_layers(
+        self.spec = self.layer_spec(
             kv_cache_spec, layer_names, vllm_config, self.max_decode_len - 1
         )
-        self.provider = attention_provider_name()
-        self.capture_longest = capture_longest_context()
+        settings = current_settings()
+        self.provider = settings.attention_provider
+        self.capture_longest = settings.capture_longest_context
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len if model_config is not None else None
         # Decode context parallelism: this rank keeps a share of every request's KV.
@@ -98,58 +108,111 @@ class BridgeMetadataBuilder(AttentionMetadataBuilder[BridgeAttentionMetadata]):
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
-    ) -> BridgeAttentionMetadata:
-        return self._build(common_attn_metadata, for_capture=False)
+    ) -> M:
+        cm = common_attn_metadata
+        return self.plan_step(cm, self.step_lengths(cm, for_capture=False))
 
-    def build_for_cudagraph_capture(
-        self, common_attn_metadata: CommonAttentionMetadata
-    ) -> BridgeAttentionMetadata:
-        """Plan the dummy capture batch as if every request held the longest
-        context, so that workspaces sized at capture cover every replay (on the host,
-        whose graphs re-run attention tasks with each step's plan, vLLM's dummy
-        lengths: ``capture_longest_context``)."""
-        return self._build(common_attn_metadata, for_capture=True)
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> M:
+        """Plan the dummy capture batch as if every request held the longest context,
+        so that workspaces sized at capture cover every replay (host graphs re-run their
+        tasks with each step's plan and keep vLLM's dummy lengths)."""
+        cm = common_attn_metadata
+        return self.plan_step(cm, self.step_lengths(cm, for_capture=True))
 
-    def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeAttentionMetadata:
-        block_tables = cm.block_table_tensor[: cm.num_reqs]
+    def step_lengths(self, cm: CommonAttentionMetadata, for_capture: bool) -> StepLengths:
         query_lens, seq_lens = host_query_and_seq_lens(cm, exact=self.exact_seq_lens)
-        padded = fill_padding_requests(
-            query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len
-        )
+        num_real = count_real_requests(query_lens)
+        fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
         longest = for_capture and self.capture_longest
         if longest:
             seq_lens = longest_context_lens(
-                query_lens, block_tables.shape[1], self.spec.block_size, self.dcp,
+                query_lens, cm.block_table_tensor.shape[1], self.spec.block_size, self.dcp,
                 self.max_model_len,
             )  # fmt: skip
-        cu_seqlens_q = cumulative(query_lens)
-        num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
-        if self.dcp is not None:
-            plans = plan_dcp(
-                cu_seqlens_q,
-                query_lens,
-                seq_lens,
-                block_tables,
-                cm.slot_mapping[: cm.num_actual_tokens],
-                num_decodes,
-                self.spec,
-                self.dcp,
-                device=self.device,
-                provider=self.provider,
-            )
-            return BridgeAttentionMetadata(plans.new_plan, cm.num_actual_tokens, for_capture, plans)
-        plan = npu_attention.plan(
-            cu_seqlens_q,
-            seq_lens,
-            block_tables,
+        return StepLengths(query_lens, seq_lens, num_real, longest)
+
+    def plan(
+        self, cm: CommonAttentionMetadata, lengths: StepLengths, num_decodes: int
+    ) -> AttentionPlan:
+        """``npu_attention.plan`` of the step, on vLLM's device lengths where they hold."""
+        return npu_attention.plan(
+            cumulative(lengths.query_lens),
+            lengths.seq_lens,
+            cm.block_table_tensor[: cm.num_reqs],
             cm.slot_mapping[: cm.num_actual_tokens],
             num_decodes,
             self.spec,
             device=self.device,
             provider=self.provider,
-            device_lengths=None if padded or longest else runner_lengths(cm),
+            device_lengths=runner_lengths(cm) if lengths.as_given(cm) else None,
         )
-        return BridgeAttentionMetadata(plan, cm.num_actual_tokens, for_capture)
+
+    def layer_spec(
+        self,
+        kv_cache_spec: VllmAttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        num_speculative_tokens: int,
+    ) -> Any:
+        """The npu-attention spec shared by the layers of this KV-cache group."""
+        raise NotImplementedError
+
+    def plan_step(self, cm: CommonAttentionMetadata, lengths: StepLengths) -> M:
+        """The step's metadata from its host lengths."""
+        raise NotImplementedError
+
+
+@dataclass
+class BridgeAttentionMetadata:
+    """What every attention layer of one KV-cache group reads in one step.
+
+    Attributes:
+        plan: the step's ``npu_attention`` plan (host lists and device tensors); under
+            decode context parallelism, the new tokens' plan (``dcp.new_plan``).
+        num_actual_tokens: query rows in the step, graph padding included.
+        dcp: the step's plans under decode context parallelism, else ``None``.
+    """
+
+    plan: AttentionPlan
+    num_actual_tokens: int
+    dcp: DCPPlans | None = None
+
+
+class BridgeMetadataBuilder(BridgeBuilderBase[BridgeAttentionMetadata]):
+    """Builds a :class:`BridgeAttentionMetadata` per step for GQA/MQA layers."""
+
+    def layer_spec(
+        self,
+        kv_cache_spec: VllmAttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        num_speculative_tokens: int,
+    ) -> AttentionSpec:
+        return attention_spec_for_layers(
+            kv_cache_spec, layer_names, vllm_config, num_speculative_tokens
+        )
+
+    def plan_step(
+        self, cm: CommonAttentionMetadata, lengths: StepLengths
+    ) -> BridgeAttentionMetadata:
+        query_lens = lengths.query_lens
+        num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
+        if self.dcp is None:
+            plan = self.plan(cm, lengths, num_decodes)
+            return BridgeAttentionMetadata(plan, cm.num_actual_tokens)
+        plans = plan_dcp(
+            cumulative(query_lens),
+            query_lens,
+            lengths.seq_lens,
+            cm.block_table_tensor[: cm.num_reqs],
+            cm.slot_mapping[: cm.num_actual_tokens],
+            num_decodes,
+            self.spec,
+            self.dcp,
+            device=self.device,
+            provider=self.provider,
+        )
+        return BridgeAttentionMetadata(plans.new_plan, cm.num_actual_tokens, plans)
 
 
 def host_query_and_seq_lens(
@@ -177,6 +240,14 @@ def runner_lengths(cm: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Ten
     return cm.query_start_loc[: cm.num_reqs + 1], cm.seq_lens[: cm.num_reqs]
 
 
+def count_real_requests(query_lens: list[int]) -> int:
+    """Requests before the trailing graph padding (requests of query length 0)."""
+    num_real = len(query_lens)
+    while num_real and query_lens[num_real - 1] == 0:
+        num_real -= 1
+    return num_real
+
+
 def fill_padding_requests(
     query_lens: list[int], seq_lens: list[int], num_tokens: int, decode_len: int = 1
 ) -> bool:
@@ -192,9 +263,7 @@ def fill_padding_requests(
     size whose cumulative query offsets are multiples of ``decode_len``; its
     outputs are discarded by vLLM.
     """
-    num_real = len(query_lens)
-    while num_real and query_lens[num_real - 1] == 0:
-        num_real -= 1
+    num_real = count_real_requests(query_lens)
     spare_tokens = num_tokens - sum(query_lens)
     num_padding = len(query_lens) - num_real
     if num_padding == 0 or spare_tokens < num_padding:
@@ -224,47 +293,6 @@ def cumulative(lengths: list[int]) -> list[int]:
     return out
 
 
-def attention_spec_for_layers(
-    kv_cache_spec: VllmAttentionSpec,
-    layer_names: list[str],
-    vllm_config: VllmConfig,
-    num_speculative_tokens: int = 0,
-) -> AttentionSpec:
-    """The ``npu_attention.AttentionSpec`` shared by the layers of one KV-cache group.
-
-    Raises:
-        ValueError: the layers disagree on heads, scale, window or soft cap (one
-            plan serves the whole group).
-    """
-    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-    if not layers:
-        raise ValueError(f"no attention layers named {layer_names} in the model")
-    shapes = {_layer_attention_shape(layer.impl) for layer in layers.values()}
-    if len(shapes) != 1:
-        raise ValueError(
-            "npu-vllm-bridge plans attention once per KV-cache group, but the layers "
-            f"{sorted(layers)} differ in (num_heads, scale, sliding_window, soft_cap): "
-            f"{sorted(shapes, key=str)}"
-        )
-    num_heads, scale, sliding_window, soft_cap = shapes.pop()
-    return AttentionSpec(
-        num_heads=num_heads,
-        num_kv_heads=kv_cache_spec.num_kv_heads,
-        head_size=kv_cache_spec.head_size,
-        block_size=kv_cache_spec.block_size,
-        dtype=kv_cache_spec.dtype,
-        causal=True,
-        sliding_window=sliding_window,
-        logits_soft_cap=soft_cap,
-        scale=scale,
-        num_speculative_tokens=num_speculative_tokens,
-    )
-
-
-def _layer_attention_shape(impl: Any) -> tuple[int, float, int | None, float | None]:
-    return (impl.num_heads, impl.scale, impl.sliding_window, impl.logits_soft_cap)
-
-
 def longest_context_lens(
     query_lens: list[int],
     table_width: int,
@@ -282,17 +310,41 @@ def longest_context_lens(
     return [max(longest, q) if q else 0 for q in query_lens]
 
 
-def capture_longest_context() -> bool:
-    """Whether graph captures plan the longest context a block table addresses (what an
-    NPU task's workspace must cover at every replay); the host platform says no."""
-    from vllm.platforms import current_platform
+def attention_spec_for_layers(
+    kv_cache_spec: VllmAttentionSpec,
+    layer_names: list[str],
+    vllm_config: VllmConfig,
+    num_speculative_tokens: int = 0,
+) -> AttentionSpec:
+    """The ``npu_attention.AttentionSpec`` shared by the layers of one KV-cache group.
 
-    value = getattr(current_platform, "capture_longest_context", None)
-    return True if value is None else bool(value)
-
-
-def attention_provider_name() -> str | None:
-    """The npu-attention provider the current platform asks for (``None``: by device)."""
-    from vllm.platforms import current_platform
-
-    return getattr(current_platform, "attention_provider", None)
+    Raises:
+        ValueError: the layers disagree on heads, scale, window or soft cap (one
+            plan serves the whole group).
+    """
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    if not layers:
+        raise ValueError(f"no attention layers named {layer_names} in the model")
+    shapes = {
+        (impl.num_heads, impl.scale, impl.sliding_window, impl.logits_soft_cap)
+        for impl in (layer.impl for layer in layers.values())
+    }
+    if len(shapes) != 1:
+        raise ValueError(
+            f"{PREFIX} plans attention once per KV-cache group, but the layers "
+            f"{sorted(layers)} differ in (num_heads, scale, sliding_window, soft_cap): "
+            f"{sorted(shapes, key=str)}"
+        )
+    num_heads, scale, sliding_window, soft_cap = shapes.pop()
+    return AttentionSpec(
+        num_heads=num_heads,
+        num_kv_heads=kv_cache_spec.num_kv_heads,
+        head_size=kv_cache_spec.head_size,
+        block_size=kv_cache_spec.block_size,
+        dtype=kv_cache_spec.dtype,
+        causal=True,
+        sliding_window=sliding_window,
+        logits_soft_cap=soft_cap,
+        scale=scale,
+        num_speculative_tokens=num_speculative_tokens,
+    )

@@ -20,7 +20,7 @@ Triton/CUDA helpers (``cp_lse_ag_out_rs``, ``correct_attn_out``, ``merge_attn_st
    the layer's output.
 
 The collectives are custom ops that host graphs record whole
-(``worker/host_collectives.py``). vLLM forces ``reorder_batch_threshold = 1`` under
+(``collectives.py``). vLLM forces ``reorder_batch_threshold = 1`` under
 DCP, so decodes are single-token requests.
 """
 
@@ -40,8 +40,8 @@ from npu_attention import (
     merge_attention_states,
     plan_context,
 )
-from npu_vllm_bridge.graphs.tasks import run_dcp_attention
-from npu_vllm_bridge.worker.host_collectives import all_gather_, all_to_all_
+from npu_vllm_bridge.attention.tasks import run_dcp_attention
+from npu_vllm_bridge.collectives import all_gather_, all_to_all_
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,9 @@ def dcp_attention(
     value_cache: torch.Tensor,
     output: torch.Tensor,
     group: Any,
+    attn_metadata: Any,
     *,
     layer_name: str,
-    step_metadata: dict[str, Any],
 ) -> torch.Tensor:
     """One layer's attention under DCP (see the module doc); writes ``output``.
 
@@ -143,7 +143,8 @@ def dcp_attention(
         key, value: ``[T, kv_heads, D]``.
         output: ``[T, H, D]``; rows past the step's tokens get zeros.
         group: vLLM's DCP ``GroupCoordinator`` (``world_size``, ``device_group``).
-        layer_name, step_metadata: as ``run_attention`` (the task's step argument).
+        attn_metadata: the layer's metadata, with its ``dcp`` plans (the task's step).
+        layer_name: the layer's name (the task's).
     """
     tokens, heads, _ = query.shape
     size, device = group.world_size, query.device
@@ -163,8 +164,8 @@ def dcp_attention(
         context_lse,
         new_out,
         new_lse,
+        attn_metadata,
         layer_name=layer_name,
-        step_metadata=step_metadata,
     )
     merge_rank_parts(context_out, context_lse, group, output[:tokens], (new_out, new_lse))
     return output

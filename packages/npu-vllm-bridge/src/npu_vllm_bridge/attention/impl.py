@@ -8,9 +8,11 @@ import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
 from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
+from npu_vllm_bridge.attention.capabilities import refuse_layer_options
 from npu_vllm_bridge.attention.context_parallel import dcp_attention
 from npu_vllm_bridge.attention.kv_cache import split_kv_cache
-from npu_vllm_bridge.graphs.tasks import run_attention
+from npu_vllm_bridge.attention.tasks import run_attention
+from npu_vllm_bridge.settings import PREFIX, current_settings
 
 
 class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
@@ -44,7 +46,12 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
         kv_sharing_target_layer_name: str | None = None,
         **extra_impl_args: Any,
     ) -> None:
-        refuse_unsupported_layer(alibi_slopes, kv_cache_dtype, attn_type, extra_impl_args)
+        refuse_layer_options(
+            alibi_slopes=alibi_slopes,
+            kv_cache_dtype=kv_cache_dtype,
+            attn_type=attn_type,
+            extra=extra_impl_args,
+        )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -54,7 +61,7 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
         self.logits_soft_cap = logits_soft_cap or None
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.kv_cache_split = kv_cache_split_of_platform()
+        self.kv_cache_split = current_settings().kv_cache_split
         if self.dcp_world_size > 1:  # set by vLLM's AttentionImplBase.__new__
             refuse_under_dcp(self.dcp_world_size, sliding_window, kv_sharing_target_layer_name)
 
@@ -81,58 +88,25 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
             output: ``[num_tokens, num_heads, head_size]``, written in place.
         """
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("npu-vllm-bridge does not fuse output quantization")
-        if attn_metadata is None:
-            return output
+            raise NotImplementedError(f"{PREFIX} does not fuse output quantization")
+        if attn_metadata is None:  # vLLM's profiling run: no step to attend
+            return output.zero_()
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size, self.kv_cache_split)
         if attn_metadata.dcp is not None:
             from vllm.distributed.parallel_state import get_dcp_group
 
             dcp_attention(
-                query,
-                key,
-                value,
-                key_cache,
-                value_cache,
-                output,
-                get_dcp_group(),
-                layer_name=layer.layer_name,
-                step_metadata=step_metadata_of(layer.layer_name, attn_metadata),
-            )
+                query, key, value, key_cache, value_cache, output, get_dcp_group(),
+                attn_metadata, layer_name=layer.layer_name,
+            )  # fmt: skip
             return output
         if self.kv_sharing_target_layer_name is not None:
             key = value = None
         run_attention(
-            query,
-            key,
-            value,
-            key_cache,
-            value_cache,
-            attn_metadata.plan,
-            output,
+            query, key, value, key_cache, value_cache, output, attn_metadata,
             layer_name=layer.layer_name,
-            step_metadata=step_metadata_of(layer.layer_name, attn_metadata),
-        )
+        )  # fmt: skip
         return output
-
-
-def step_metadata_of(layer_name: str, attn_metadata: Any) -> dict[str, Any]:
-    """The step's ``{layer_name: metadata}`` (vLLM's forward context), or this layer's alone."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if is_forward_context_available():
-        per_layer = get_forward_context().attn_metadata
-        if isinstance(per_layer, dict) and per_layer.get(layer_name) is attn_metadata:
-            return per_layer
-    return {layer_name: attn_metadata}
-
-
-def kv_cache_split_of_platform() -> str:
-    """How the current platform's kernels want each page: ``packed`` or ``planes``."""
-    from vllm.platforms import current_platform
-
-    # vLLM platforms answer None for attributes they lack.
-    return getattr(current_platform, "kv_cache_split", None) or "packed"
 
 
 def refuse_under_dcp(
@@ -141,39 +115,14 @@ def refuse_under_dcp(
     """Raise ``ValueError`` for layer options the bridge's DCP attention cannot run."""
     if sliding_window is not None:
         raise ValueError(
-            f"npu-vllm-bridge runs decode context parallelism (decode_context_parallel_size="
+            f"{PREFIX} runs decode context parallelism (decode_context_parallel_size="
             f"{dcp_size}) for full attention only, got a layer with sliding_window="
             f"{sliding_window} (a rank's KV share keeps no global positions); use "
             "decode_context_parallel_size=1"
         )
     if kv_sharing_target_layer_name is not None:
         raise ValueError(
-            f"npu-vllm-bridge does not run decode context parallelism (decode_context_"
+            f"{PREFIX} does not run decode context parallelism (decode_context_"
             f"parallel_size={dcp_size}) with layers that share another layer's KV cache "
             f"(kv_sharing_target_layer_name={kv_sharing_target_layer_name!r})"
         )
-
-
-def refuse_unsupported_layer(
-    alibi_slopes: list[float] | None,
-    kv_cache_dtype: str,
-    attn_type: str,
-    extra_impl_args: dict[str, Any],
-) -> None:
-    """Raise ``ValueError`` naming the first layer option the bridge cannot run."""
-    if alibi_slopes is not None:
-        raise ValueError("npu-vllm-bridge does not support ALiBi attention (alibi_slopes)")
-    if kv_cache_dtype != "auto":
-        raise ValueError(
-            f"npu-vllm-bridge keeps the KV cache in the model dtype; kv_cache_dtype="
-            f"{kv_cache_dtype!r} is not supported (use kv_cache_dtype='auto')"
-        )
-    if attn_type != AttentionType.DECODER:
-        raise ValueError(
-            f"npu-vllm-bridge supports decoder self-attention only, got attn_type={attn_type!r}"
-        )
-    if extra_impl_args.get("sinks") is not None:
-        raise ValueError("npu-vllm-bridge does not support attention sinks")
-    unknown = sorted(k for k, v in extra_impl_args.items() if k != "sinks" and v is not None)
-    if unknown:
-        raise ValueError(f"npu-vllm-bridge does not support the attention options {unknown}")

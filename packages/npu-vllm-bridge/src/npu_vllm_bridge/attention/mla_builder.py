@@ -9,31 +9,21 @@ and the step's plan for the impl.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.config import VllmConfig
-from vllm.v1.attention.backend import (
-    AttentionCGSupport,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from vllm.v1.attention.backend import CommonAttentionMetadata
 
-import npu_attention
 from npu_attention import AttentionPlan
 from npu_attention.mla import MLASpec
 from npu_vllm_bridge.attention.builder import (
-    attention_provider_name,
-    capture_longest_context,
+    BridgeBuilderBase,
+    StepLengths,
     count_leading_decodes,
-    cumulative,
-    fill_padding_requests,
-    host_query_and_seq_lens,
-    longest_context_lens,
-    runner_lengths,
 )
-from npu_vllm_bridge.attention.context_parallel import dcp_layout_of
 from npu_vllm_bridge.attention.mla_context_parallel import plan_mla_dcp
+from npu_vllm_bridge.settings import PREFIX
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
@@ -67,7 +57,6 @@ class BridgeMLAMetadata:
         num_prefills: requests after the decodes.
         decode, prefill: present when the step has rows of that kind (vLLM's layer asserts
             ``decode is not None`` before ``forward_mqa``).
-        for_capture: built for graph capture (dummy batch of the longest context).
         query_start_loc: vLLM's device query offsets; under DCP vLLM's layer hands
             them to the DCP manager, whose bridge version does not read them.
     """
@@ -80,94 +69,40 @@ class BridgeMLAMetadata:
     num_prefills: int
     decode: MLARows | None
     prefill: MLARows | None
-    for_capture: bool = False
     query_start_loc: torch.Tensor | None = None
 
 
-class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
-    """Builds a :class:`BridgeMLAMetadata` per step.
+class BridgeMLAMetadataBuilder(BridgeBuilderBase[BridgeMLAMetadata]):
+    """Builds a :class:`BridgeMLAMetadata` per step (the skeleton is the GQA builder's).
 
-    vLLM reorders each batch so that requests of at most ``reorder_batch_threshold``
-    query tokens (decodes; ``1 + num_speculative_tokens`` with speculative decoding)
-    come first. Graph support as for GQA attention: the decode task is re-issued
-    with each step's host arguments before replay, so one graph serves every
-    uniform decode batch of its size.
+    What MLA does differently: graph-padding requests left without tokens get KV length
+    0 (Ascend's fused MLA op takes 1 to 16 query tokens per request), padding joins the
+    decodes of a decode-only step, the metadata carries vLLM's decode/prefill row
+    counts, and under DCP every row is a one-token absorbed decode (``plan_mla_dcp``).
     """
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = (
-        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    )
-
-    def __init__(
+    def layer_spec(
         self,
         kv_cache_spec: VllmAttentionSpec,
         layer_names: list[str],
         vllm_config: VllmConfig,
-        device: torch.device,
-    ) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
-        self.max_decode_len = self.reorder_batch_threshold or 1
-        # With a drafter, vLLM's host seq_lens are only upper bounds: read the exact ones.
-        self.exact_seq_lens = vllm_config.speculative_config is not None
-        self.spec = mla_spec_for_layers(
-            kv_cache_spec, layer_names, vllm_config, self.max_decode_len - 1
-        )
-        self.provider = attention_provider_name()
-        self.capture_longest = capture_longest_context()
-        model_config = vllm_config.model_config
-        self.max_model_len = model_config.max_model_len if model_config is not None else None
-        self.dcp = dcp_layout_of(vllm_config, getattr(kv_cache_spec, "dcp_sharded", True))
+        num_speculative_tokens: int,
+    ) -> MLASpec:
+        return mla_spec_for_layers(kv_cache_spec, layer_names, vllm_config, num_speculative_tokens)
 
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
-        # Speculative decodes are uniform batches of 1 + k tokens per request.
-        if vllm_config.speculative_config is not None:
-            return AttentionCGSupport.UNIFORM_BATCH
-        return cls._cudagraph_support
-
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> BridgeMLAMetadata:
-        return self._build(common_attn_metadata, for_capture=False)
-
-    def build_for_cudagraph_capture(
-        self, common_attn_metadata: CommonAttentionMetadata
-    ) -> BridgeMLAMetadata:
-        """Plan the dummy capture batch as if every request held the longest context
-        (vLLM's dummy lengths on the host: ``capture_longest_context``)."""
-        return self._build(common_attn_metadata, for_capture=True)
-
-    def _build(self, cm: CommonAttentionMetadata, for_capture: bool) -> BridgeMLAMetadata:
-        block_tables = cm.block_table_tensor[: cm.num_reqs]
-        query_lens, seq_lens = host_query_and_seq_lens(cm, exact=self.exact_seq_lens)
-        num_real = pad_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
-        longest = for_capture and self.capture_longest
-        if longest:
-            seq_lens = longest_context_lens(
-                query_lens, block_tables.shape[1], self.spec.block_size, self.dcp,
-                self.max_model_len,
-            )  # fmt: skip
+    def plan_step(self, cm: CommonAttentionMetadata, lengths: StepLengths) -> BridgeMLAMetadata:
+        query_lens, seq_lens, num_real = lengths.query_lens, lengths.seq_lens, lengths.num_real
+        for i in range(num_real, len(query_lens)):
+            if query_lens[i] == 0:
+                seq_lens[i] = 0
         if self.dcp is not None:
-            return self._build_dcp(cm, query_lens[:num_real], seq_lens[:num_real], for_capture)
+            return self._plan_dcp(cm, query_lens[:num_real], seq_lens[:num_real])
         num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
         if num_decodes == num_real:
             num_decodes = len(query_lens)  # graph padding joins a decode-only step
-        plan = npu_attention.plan(
-            cumulative(query_lens),
-            seq_lens,
-            block_tables,
-            cm.slot_mapping[: cm.num_actual_tokens],
-            num_decodes,
-            self.spec,
-            device=self.device,
-            provider=self.provider,
-            device_lengths=None if longest or num_real < cm.num_reqs else runner_lengths(cm),
-        )
+        plan = self.plan(cm, lengths, num_decodes)
         decode_rows = plan.num_decode_tokens if plan.num_prefills else cm.num_actual_tokens
+        prefill_rows = plan.num_actual_tokens - plan.num_decode_tokens
         return BridgeMLAMetadata(
             plan=plan,
             num_actual_tokens=cm.num_actual_tokens,
@@ -176,20 +111,11 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
             num_decode_tokens=decode_rows,
             num_prefills=plan.num_prefills,
             decode=MLARows(plan.num_decodes, decode_rows) if decode_rows else None,
-            prefill=(
-                MLARows(plan.num_prefills, plan.num_actual_tokens - plan.num_decode_tokens)
-                if plan.num_prefills
-                else None
-            ),
-            for_capture=for_capture,
+            prefill=MLARows(plan.num_prefills, prefill_rows) if plan.num_prefills else None,
         )
 
-    def _build_dcp(
-        self,
-        cm: CommonAttentionMetadata,
-        query_lens: list[int],
-        seq_lens: list[int],
-        for_capture: bool,
+    def _plan_dcp(
+        self, cm: CommonAttentionMetadata, query_lens: list[int], seq_lens: list[int]
     ) -> BridgeMLAMetadata:
         """Under DCP every row is a one-token absorbed decode (``plan_mla_dcp``)."""
         tokens = cm.num_actual_tokens
@@ -213,28 +139,8 @@ class BridgeMLAMetadataBuilder(AttentionMetadataBuilder[BridgeMLAMetadata]):
             num_prefills=0,
             decode=MLARows(tokens, tokens),
             prefill=None,
-            for_capture=for_capture,
             query_start_loc=cm.query_start_loc,
         )
-
-
-def pad_requests(
-    query_lens: list[int], seq_lens: list[int], num_tokens: int, max_decode_len: int
-) -> int:
-    """Turn the trailing graph-padding requests (query length 0) into decodes of the
-    spare tokens over the null block, in place (``fill_padding_requests``: ``1 + k``
-    tokens and keys each in a padded verify step, else 1), and return the number of
-    real requests. Ascend's fused MLA op takes 1 to 16 query tokens per request, so
-    padding requests bring tokens; any left without (too few spare tokens) get KV
-    length 0."""
-    num_real = len(query_lens)
-    while num_real and query_lens[num_real - 1] == 0:
-        num_real -= 1
-    fill_padding_requests(query_lens, seq_lens, num_tokens, max_decode_len)
-    for i in range(num_real, len(query_lens)):
-        if query_lens[i] == 0:
-            seq_lens[i] = 0
-    return num_real
 
 
 def mla_spec_for_layers(
@@ -267,7 +173,7 @@ def mla_spec_for_layers(
         )
     if len(shapes) != 1:
         raise ValueError(
-            "npu-vllm-bridge plans MLA once per KV-cache group, but the layers "
+            f"{PREFIX} plans MLA once per KV-cache group, but the layers "
             f"{sorted(layer_names)} differ in (num_heads, kv_lora_rank, qk_nope_head_dim, "
             f"qk_rope_head_dim, v_head_dim, scale): {sorted(shapes)}"
         )

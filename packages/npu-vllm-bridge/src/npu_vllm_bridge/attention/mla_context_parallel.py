@@ -120,24 +120,3 @@ class BridgeMLADCP:
         out = partial_output.new_empty((tokens, heads_all // self.group.world_size, width))
         merge_rank_parts(partial_output, partial_lse, self.group, out)
         return out
-
-
-def install_mla_dcp(vllm_config: Any) -> int:
-    """Give every MLA layer of the bridge's backend a :class:`BridgeMLADCP` in place of
-    vLLM's DCP manager; returns the number of layers changed (0 without DCP)."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.distributed.parallel_state import get_dcp_group
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
-    from npu_vllm_bridge.attention.mla_impl import BridgeMLAImpl
-
-    layers = get_layers_from_vllm_config(vllm_config, MLAAttention)
-    changed = 0
-    for layer in layers.values():
-        if getattr(layer, "dcp_manager", None) is None:
-            continue
-        if not isinstance(layer.impl, BridgeMLAImpl):
-            continue
-        layer.dcp_manager = BridgeMLADCP(get_dcp_group())
-        changed += 1
-    return changed

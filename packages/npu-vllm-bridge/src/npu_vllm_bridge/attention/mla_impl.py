@@ -15,8 +15,8 @@ Under decode context parallelism every row goes to ``forward_mqa``: the queries 
 the whole DCP group's heads attend over this rank's latents, and the output comes
 back with its log-sum-exp for vLLM's layer to combine (``mla_context_parallel.py``).
 
-Each call is an npu-graphs updatable task (``graphs/mla_tasks.py``) whose step
-argument is the step's per-layer metadata.
+Each call is an npu-graphs updatable task (``attention/tasks.py``) whose step is the
+layer's metadata.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
-from vllm.v1.attention.backend import AttentionLayer, AttentionType
+from vllm.v1.attention.backend import AttentionLayer
 
 from npu_attention.mla import LatentCache, latent_cache_planes, split_latent_cache
-from npu_vllm_bridge.attention.impl import kv_cache_split_of_platform
+from npu_vllm_bridge.attention.capabilities import refuse_layer_options
 from npu_vllm_bridge.attention.mla_builder import BridgeMLAMetadata
-from npu_vllm_bridge.graphs.mla_tasks import run_mla_decode, run_mla_prefill, run_mla_write_cache
+from npu_vllm_bridge.attention.mla_context_parallel import BridgeMLADCP
+from npu_vllm_bridge.attention.tasks import run_mla_decode, run_mla_prefill, run_mla_write_cache
+from npu_vllm_bridge.settings import PREFIX, current_settings
 
 
 class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
@@ -59,8 +61,14 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         kv_sharing_target_layer_name: str | None,
         **mla_args: Any,
     ) -> None:
-        refuse_unsupported_mla_layer(
-            alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type, mla_args
+        refuse_layer_options(
+            alibi_slopes=alibi_slopes,
+            kv_cache_dtype=kv_cache_dtype,
+            attn_type=attn_type,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            extra={"indexer": mla_args.get("indexer")},
+            mla=True,
         )
         super().__init__(
             num_heads,
@@ -84,7 +92,7 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         )
         # The decode kernels take queries in the model dtype (no fp8 query input).
         self.supports_quant_query_input = False
-        self.kv_cache_split = kv_cache_split_of_platform()
+        self.kv_cache_split = current_settings().kv_cache_split
         self._layer_name: str | None = None
 
     # -- vLLM's MLA impl interface -------------------------------------------------
@@ -102,17 +110,15 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         if kv_cache.numel() == 0:
             return
         layer_name = self.layer_name()
-        metadata, step = layer_metadata(layer_name)
-        if metadata is None:  # vLLM's profiling run
+        attn_metadata = layer_attn_metadata(layer_name)
+        if attn_metadata is None:  # vLLM's profiling run
             return
-        plan = metadata.plan
         run_mla_write_cache(
             kv_c_normed,
             k_pe.reshape(k_pe.shape[0], -1),
-            self.latent_cache(kv_cache, plan.spec),
-            plan,
+            self.latent_cache(kv_cache, attn_metadata.plan.spec),
+            attn_metadata,
             layer_name=layer_name,
-            step_metadata=step,
         )
 
     def forward_mqa(
@@ -136,16 +142,14 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         lse = None
         if self.dcp_world_size > 1:
             lse = torch.full((rows, heads), float("-inf"), device=q_latent.device)
-        layer_name = self.layer_name(getattr(layer, "layer_name", None))
         run_mla_decode(
             q_latent,
             q_rope,
             self.latent_cache(kv_c_and_k_pe_cache, plan.spec),
-            plan,
             out,
-            lse=lse,
-            layer_name=layer_name,
-            step_metadata=step_metadata_for(layer_name, attn_metadata),
+            lse,
+            attn_metadata,
+            layer_name=self.layer_name(getattr(layer, "layer_name", None)),
         )
         return out, lse
 
@@ -164,17 +168,14 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         decompressed from the cache by ``kv_b_proj``; writes ``output``
         ``[rows, N * v_head_dim]``."""
         if output_scale is not None:
-            raise NotImplementedError("npu-vllm-bridge does not fuse output quantization")
-        plan = attn_metadata.plan
-        layer_name = self.layer_name()
+            raise NotImplementedError(f"{PREFIX} does not fuse output quantization")
         run_mla_prefill(
             q,
-            self.latent_cache(kv_c_and_k_pe_cache, plan.spec),
-            plan,
+            self.latent_cache(kv_c_and_k_pe_cache, attn_metadata.plan.spec),
             self._kv_up_proj,
             output.view(output.shape[0], self.num_heads, self.v_head_dim),
-            layer_name=layer_name,
-            step_metadata=step_metadata_for(layer_name, attn_metadata),
+            attn_metadata,
+            layer_name=self.layer_name(),
         )
 
     # -- helpers -------------------------------------------------------------------
@@ -203,28 +204,14 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         return self._layer_name
 
 
-def layer_metadata(layer_name: str) -> tuple[BridgeMLAMetadata | None, dict[str, Any] | None]:
-    """This layer's metadata in vLLM's forward context and the step's per-layer dict."""
+def layer_attn_metadata(layer_name: str) -> BridgeMLAMetadata | None:
+    """This layer's metadata in vLLM's forward context (``None`` in the profiling run)."""
     from vllm.forward_context import get_forward_context
 
     per_layer = get_forward_context().attn_metadata
     if isinstance(per_layer, list):  # speculative decoding: [0] is the model's own
         per_layer = per_layer[0] if per_layer else None
-    if not isinstance(per_layer, dict):
-        return None, None
-    return per_layer.get(layer_name), per_layer
-
-
-def step_metadata_for(layer_name: str, attn_metadata: BridgeMLAMetadata) -> dict[str, Any]:
-    """The step's ``{layer_name: metadata}`` if it holds ``attn_metadata`` for this
-    layer, else this layer's alone."""
-    from vllm.forward_context import is_forward_context_available
-
-    if is_forward_context_available():
-        _, per_layer = layer_metadata(layer_name)
-        if per_layer is not None and per_layer.get(layer_name) is attn_metadata:
-            return per_layer
-    return {layer_name: attn_metadata}
+    return per_layer.get(layer_name) if isinstance(per_layer, dict) else None
 
 
 def _owner_layer_name(impl: BridgeMLAImpl) -> str:
@@ -236,29 +223,17 @@ def _owner_layer_name(impl: BridgeMLAImpl) -> str:
     raise ValueError("this MLA impl belongs to no layer of vLLM's forward context")
 
 
-def refuse_unsupported_mla_layer(
-    alibi_slopes: list[float] | None,
-    sliding_window: int | None,
-    kv_cache_dtype: str,
-    logits_soft_cap: float | None,
-    attn_type: str,
-    mla_args: dict[str, Any],
-) -> None:
-    """Raise ``ValueError`` naming the first MLA layer option the bridge cannot run."""
-    if alibi_slopes is not None:
-        raise ValueError("npu-vllm-bridge MLA does not support ALiBi (alibi_slopes)")
-    if sliding_window is not None:
-        raise ValueError("npu-vllm-bridge MLA does not support sliding-window MLA layers")
-    if logits_soft_cap:
-        raise ValueError("npu-vllm-bridge MLA does not support a logits soft cap")
-    if kv_cache_dtype != "auto":
-        raise ValueError(
-            f"npu-vllm-bridge keeps the MLA latent cache in the model dtype; kv_cache_dtype="
-            f"{kv_cache_dtype!r} is not supported (use kv_cache_dtype='auto')"
-        )
-    if attn_type != AttentionType.DECODER:
-        raise ValueError(
-            f"npu-vllm-bridge supports decoder self-attention only, got attn_type={attn_type!r}"
-        )
-    if mla_args.get("indexer") is not None:
-        raise ValueError("npu-vllm-bridge does not support sparse MLA (an indexer)")
+def install_mla_dcp(vllm_config: Any) -> int:
+    """Give every MLA layer of the bridge's backend a :class:`BridgeMLADCP` in place of
+    vLLM's DCP manager; returns the number of layers changed (0 without DCP)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.distributed.parallel_state import get_dcp_group
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    changed = 0
+    for layer in get_layers_from_vllm_config(vllm_config, MLAAttention).values():
+        if getattr(layer, "dcp_manager", None) is None or not isinstance(layer.impl, BridgeMLAImpl):
+            continue
+        layer.dcp_manager = BridgeMLADCP(get_dcp_group())
+        changed += 1
+    return changed

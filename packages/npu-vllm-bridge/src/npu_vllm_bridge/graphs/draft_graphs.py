@@ -41,19 +41,19 @@ from vllm.forward_context import (
 )
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from npu_graphs import GraphBackend, capture_all
+from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
-from npu_vllm_bridge.graphs.mla_tasks import count_own_mla_tasks
-from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, step_metadata
+from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, per_layer_metadata
+from npu_vllm_bridge.spec_methods import GRAPHED_DRAFT_METHODS, mtp_methods
 
 logger = init_logger(f"vllm.{__name__}")
 
 # vLLM's padding of graph batches: null block 0 in block tables, slot -1 for tokens.
 NULL_BLOCK_ID = 0
 PADDING_SLOT_ID = -1
-# Drafters with attention layers of their own whose forwards the bridge can graph.
-GRAPHED_DRAFT_METHODS = ("eagle", "draft_model")
 
 
 class DraftGraphWrapper(BridgeGraphWrapper):
@@ -98,7 +98,7 @@ class DraftGraphWrapper(BridgeGraphWrapper):
 
     def _update_tasks(self, key: Any, attn_metadata: Any) -> None:
         """Re-issue the drafter's tasks with the pass's per-layer metadata (counted)."""
-        self.tasks.update(key, step_metadata(attn_metadata), changed=True)
+        self.tasks.update(key, per_layer_metadata(attn_metadata))
         self.updates += 1
         graph_counters().draft_task_updates += 1
 
@@ -273,7 +273,7 @@ class DraftGraphs:
             model,
             vllm_config,
             CUDAGraphMode.FULL,
-            num_attention_layers=count_draft_tasks(vllm_config, model),
+            num_attention_layers=count_attention_tasks(vllm_config, model),
         )
         # Main and draft graphs never share a registry (nor its step buffers).
         assert self.wrapper.tasks is not None and self.wrapper.tasks is not main_wrapper.tasks
@@ -421,21 +421,9 @@ def dummy_uniform_metadata(
     )
 
 
-def count_draft_tasks(vllm_config: Any, model: torch.nn.Module) -> int:
-    """Updatable tasks one FULL graph of the drafter records: its attention layers
-    (one task each) and its MLA layers (``MLA_TASKS_PER_LAYER`` each)."""
-    from npu_vllm_bridge.graphs.runner import count_own_attention_layers
-
-    return count_own_attention_layers(vllm_config, model) + count_own_mla_tasks(vllm_config, model)
-
-
 def install_draft_graphs(runner: Any, main_wrapper: BridgeGraphWrapper) -> DraftGraphs | None:
     """Wrap the runner's drafter for FULL graphs, or log why it keeps vLLM's
     PIECEWISE/eager drafter forwards; ``None`` when nothing was installed."""
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-
-    from npu_vllm_bridge.platforms.speculative import mtp_methods
-
     drafter = getattr(runner, "drafter", None)
     if not isinstance(drafter, SpecDecodeBaseProposer) or getattr(drafter, "model", None) is None:
         return None

@@ -15,15 +15,14 @@ from typing import Any
 import torch
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
-from vllm.config import CUDAGraphMode, get_layers_from_vllm_config, set_current_vllm_config
+from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm.logger import init_logger
-from vllm.model_executor.layers.attention import Attention
 
 from npu_graphs import GraphBackend, capture_all, get_backend
+from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.draft_graphs import DraftGraphs, install_draft_graphs
-from npu_vllm_bridge.graphs.mla_tasks import count_own_mla_tasks
-from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name
+from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name, live_wrappers
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -46,8 +45,7 @@ class GraphRunnerMixin:
                 self.model,
                 self.vllm_config,
                 CUDAGraphMode.FULL,
-                num_attention_layers=count_own_attention_layers(self.vllm_config, self.model)
-                + count_own_mla_tasks(self.vllm_config, self.model),
+                num_attention_layers=count_attention_tasks(self.vllm_config, self.model),
             )
             # The drafter's own forwards (EAGLE heads, draft models, MTP): FULL
             # graphs in a wrapper and task registry of their own.
@@ -141,7 +139,7 @@ class GraphRunnerMixin:
             _, pool_after = backend.memory_breakdown()
         finally:
             set_cudagraph_capturing_enabled(False)
-            for wrapper in BridgeGraphWrapper._all_instances:
+            for wrapper in live_wrappers():
                 wrapper.clear_graphs()
             for key_set in self.cudagraph_dispatcher.cudagraph_keys.values():
                 key_set.clear()
@@ -176,12 +174,3 @@ class GraphRunnerMixin:
         (n_big, m_big), (n_small, m_small) = samples[0], samples[-1]
         slope = (m_big - m_small) / (n_big - n_small) if n_big != n_small else 0.0
         return int(sum(m_small + slope * (d.num_tokens - n_small) for d in descs))
-
-
-def count_own_attention_layers(vllm_config: Any, model: torch.nn.Module) -> int:
-    """Attention layers of ``model`` itself: a drafter's attention layers (EAGLE heads,
-    draft models) are in the same vLLM config but run in the drafter's forwards, not
-    in the target model's graphs."""
-    layers = get_layers_from_vllm_config(vllm_config, Attention)
-    own = {id(module) for module in model.modules()}
-    return sum(id(layer) in own for layer in layers.values())

@@ -9,8 +9,9 @@ captured attention tasks with the step's plan.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -22,6 +23,7 @@ from vllm.sequence import IntermediateTensors
 
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, get_backend, graph_dispatch
 from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.settings import current_settings
 
 _RUNTIME_MODES = {
     CUDAGraphMode.FULL: RuntimeMode.FULL,
@@ -31,15 +33,21 @@ _RUNTIME_MODES = {
 
 def graph_backend_name() -> str:
     """The npu-graphs backend of the current platform (``npu`` or ``host``)."""
-    from vllm.platforms import current_platform
-
-    name = getattr(current_platform, "graph_backend", None)
+    name = current_settings().graph_backend
     if name is None:
         raise ValueError(
-            f"platform {type(current_platform).__name__} names no npu-graphs backend "
-            "(its graph_backend attribute); the bridge's graph wrapper needs one"
+            "the current platform's bridge_settings name no npu-graphs backend "
+            "(graph_backend); the bridge's graph wrapper needs one"
         )
     return name
+
+
+_WRAPPERS: weakref.WeakSet[BridgeGraphWrapper] = weakref.WeakSet()
+
+
+def live_wrappers() -> list[BridgeGraphWrapper]:
+    """The bridge's graph wrappers still alive in this process."""
+    return list(_WRAPPERS)
 
 
 class BridgeGraphWrapper:
@@ -52,10 +60,11 @@ class BridgeGraphWrapper:
         num_attention_layers: attention tasks each FULL capture must record
             (checked at capture); ``None`` to skip the check.
         graph_backend: npu-graphs backend name; default: the current platform's.
+        first_piece: whether this PIECEWISE wrapper holds the model's first piece (it
+            counts the steps); default: what vLLM's piecewise backend says of itself
+            (``runnable.is_first_graph``).
         **kwargs: vLLM's wrapper options (``cudagraph_options``), accepted and unused.
     """
-
-    _all_instances: ClassVar[list[BridgeGraphWrapper]] = []
 
     def __init__(
         self,
@@ -64,6 +73,7 @@ class BridgeGraphWrapper:
         runtime_mode: CUDAGraphMode,
         num_attention_layers: int | None = None,
         graph_backend: str | None = None,
+        first_piece: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if runtime_mode not in _RUNTIME_MODES:
@@ -87,14 +97,14 @@ class BridgeGraphWrapper:
             name=f"{type(runnable).__name__}[{runtime_mode.name}]",
         )
         # One wrapper per model forward counts steps: the FULL one, else the first piece.
-        options = kwargs.get("cudagraph_options")
-        first_piece = options is None or getattr(options, "debug_log_enable", True)
+        if first_piece is None:
+            first_piece = bool(getattr(runnable, "is_first_graph", False))
         full_graphs = vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs()
         self.first_piece = runtime_mode == CUDAGraphMode.PIECEWISE and first_piece
         self.counts_steps = runtime_mode == CUDAGraphMode.FULL or (
             self.first_piece and not full_graphs
         )
-        BridgeGraphWrapper._all_instances.append(self)
+        _WRAPPERS.add(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not is_forward_context_available():
@@ -128,8 +138,7 @@ class BridgeGraphWrapper:
             return
         counters.replayed_steps += 1
         if self.tasks.num_tasks(key):
-            # Every step carries new metadata: re-issue without comparing steps.
-            self.tasks.update(key, step_metadata(attn_metadata), changed=True)
+            self.tasks.update(key, per_layer_metadata(attn_metadata))
             counters.task_updates += 1
 
     def has_graph(self, key: Any) -> bool:
@@ -194,8 +203,8 @@ class StageTensorsAdapter:
         return getattr(runnable, name)
 
 
-def step_metadata(attn_metadata: Any) -> dict[str, Any]:
-    """The step's ``{layer_name: metadata}``, the step argument of the attention tasks.
+def per_layer_metadata(attn_metadata: Any) -> dict[str, Any]:
+    """The step's ``{layer_name: attn_metadata}``: each attention task takes its layer's.
 
     Raises:
         ValueError: vLLM's forward context holds no per-layer dict (micro-batched

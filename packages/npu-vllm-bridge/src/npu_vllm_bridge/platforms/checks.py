@@ -7,20 +7,22 @@ before weights load or memory is reserved.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import npu_attention
-
-# The platform module is imported while vLLM resolves ``current_platform``, so
-# nothing here may import vLLM modules that need it at import time: the
-# attention backend is imported inside the functions.
-KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
+from npu_attention.mla import MLASpec
+from npu_graphs import get_backend, plan_capture
+from npu_vllm_bridge.attention.capabilities import KERNEL_BLOCK_SIZES, refuse_head_size
+from npu_vllm_bridge.platforms.context_parallel_checks import check_context_parallel
+from npu_vllm_bridge.platforms.speculative import check_speculative
+from npu_vllm_bridge.settings import PREFIX, current_provider, refuse_kv_cache_dtype
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.attention.selector import AttentionSelectorConfig
 
-PREFIX = "npu-vllm-bridge"
+# The block size the MLA start-up check plans with when the user chose none; the
+# provider's block sizes are checked again with the real one when the layers plan.
+DEFAULT_CHECK_BLOCK_SIZE = 16
 
 
 def check_model_and_options(vllm_config: VllmConfig) -> None:
@@ -35,8 +37,6 @@ def check_model_and_options(vllm_config: VllmConfig) -> None:
 def _check_model(model_config) -> None:
     name = model_config.model
     if model_config.use_mla:
-        from npu_vllm_bridge.platforms.mla_checks import check_mla_model
-
         check_mla_model(model_config)
         return
     # "draft": a draft model, whose own VllmConfig vLLM checks when it loads the drafter.
@@ -47,13 +47,7 @@ def _check_model(model_config) -> None:
         )
     if model_config.is_encoder_decoder:
         raise ValueError(f"{PREFIX} does not support encoder-decoder models such as {name}")
-    head_size = model_config.get_head_size()
-    provider, head_sizes = attention_head_sizes()
-    if head_size not in head_sizes:
-        raise ValueError(
-            f"{PREFIX} does not support head size {head_size} (model {name}) with the "
-            f"{provider!r} attention provider; supported head sizes: {list(head_sizes)}"
-        )
+    refuse_head_size(model_config.get_head_size(), f"model {name}")
     if model_config.dtype not in npu_attention.SUPPORTED_DTYPES:
         raise ValueError(
             f"{PREFIX} does not support dtype {model_config.dtype}; use one of "
@@ -61,96 +55,64 @@ def _check_model(model_config) -> None:
         )
 
 
-def attention_head_sizes() -> tuple[str, tuple[int, ...]]:
-    """The npu-attention provider the current platform will use (its
-    ``attention_provider``, or ``None`` to choose by the platform's device type),
-    and the head sizes that provider accepts."""
-    from vllm.platforms import current_platform
-
-    name = getattr(current_platform, "attention_provider", None)
-    if name is not None:
-        return name, npu_attention.supported_head_sizes(name)
-    device_type = current_platform.device_type
-    provider = npu_attention.get_provider(device=device_type)
-    return provider.name, npu_attention.supported_head_sizes(provider.name)
-
-
 def _check_cache(vllm_config: VllmConfig) -> None:
     cache_config = vllm_config.cache_config
-    if cache_config.cache_dtype != "auto":
-        raise ValueError(
-            f"{PREFIX} keeps the KV cache in the model dtype; kv_cache_dtype="
-            f"{cache_config.cache_dtype!r} (e.g. an fp8 KV cache) is not supported: "
-            "leave kv_cache_dtype='auto'"
-        )
+    refuse_kv_cache_dtype(cache_config.cache_dtype)
     block_size = cache_config.block_size
-    if cache_config.user_specified_block_size and not any(
-        block_size % size == 0 for size in KERNEL_BLOCK_SIZES
-    ):
+    if cache_config.user_specified_block_size and block_size % min(KERNEL_BLOCK_SIZES):
         raise ValueError(
-            f"{PREFIX} needs a KV-cache block_size that is a multiple of 16, got "
+            f"{PREFIX} needs a KV-cache block_size that is a multiple of {min(KERNEL_BLOCK_SIZES)}, got "
             f"block_size={block_size}"
         )
 
 
 def _check_parallel_and_speculative(vllm_config: VllmConfig) -> None:
-    from npu_vllm_bridge.platforms.context_parallel_checks import check_context_parallel
-    from npu_vllm_bridge.platforms.speculative import check_speculative
-
     check_context_parallel(vllm_config)
     check_speculative(vllm_config)
     if vllm_config.kv_transfer_config is not None:
         raise ValueError(f"{PREFIX} does not support KV transfer connectors (kv_transfer_config)")
 
 
-def backend_for_selector(selector: AttentionSelectorConfig) -> str:
-    """The bridge's backend class path, or ``ValueError`` saying why it cannot serve
-    a layer vLLM asks for (MLA, sparse attention, sinks, a head size, ...)."""
-    from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend, register
+def check_mla_model(model_config: Any, block_size: int | None = None) -> None:
+    """Refuse an MLA model the bridge cannot run (``ValueError`` naming it).
 
-    backend = NPUBridgeAttentionBackend
-    if selector.use_mla:
-        from npu_vllm_bridge.platforms.mla_checks import mla_backend_for_selector
+    Args:
+        model_config: vLLM's ``ModelConfig`` of a model with ``use_mla``.
+        block_size: the KV-cache block size if the user chose one.
 
-        return mla_backend_for_selector(selector)
-    if selector.use_sparse:
-        raise ValueError(f"{PREFIX} does not support sparse attention layers")
-    reasons = backend.validate_configuration(
-        head_size=selector.head_size,
-        dtype=selector.dtype,
-        kv_cache_dtype=selector.kv_cache_dtype,
-        block_size=selector.block_size,
-        use_mla=selector.use_mla,
-        has_sink=selector.has_sink,
-        use_sparse=selector.use_sparse,
-        use_mm_prefix=selector.use_mm_prefix,
-        use_per_head_quant_scales=selector.use_per_head_quant_scales,
-        device_capability=None,
-        attn_type=selector.attn_type,
-        has_sliding_window=selector.has_sliding_window,
-        use_non_causal=selector.use_non_causal,
-        use_batch_invariant=selector.use_batch_invariant,
-        use_kv_connector=selector.use_kv_connector,
-        use_pcp=selector.use_pcp,
-        use_adaptive_verification=selector.use_adaptive_verification,
-        use_dcp=selector.use_dcp,
-        use_rswa=selector.use_rswa,
-    )
-    if "head_size not supported" in reasons:
-        provider, head_sizes = attention_head_sizes()
-        reasons[reasons.index("head_size not supported")] = (
-            f"head_size not supported by the {provider!r} attention provider "
-            f"(its head sizes: {list(head_sizes)})"
-        )
-    if reasons:
+    Raises:
+        ValueError: sparse MLA (``index_topk``), or an MLA shape the platform's MLA
+            provider refuses (message: provider, widths, heads, block size, dtype).
+    """
+    name = model_config.model
+    text_config = model_config.hf_text_config
+    if getattr(text_config, "index_topk", None) is not None:
         raise ValueError(
-            f"{PREFIX} attention cannot serve this layer (head_size={selector.head_size}, "
-            f"dtype={selector.dtype}, kv_cache_dtype={selector.kv_cache_dtype}, "
-            f"block_size={selector.block_size}, attn_type={selector.attn_type}): "
-            + "; ".join(reasons)
+            f"{PREFIX} does not support sparse MLA (index_topk={text_config.index_topk}, "
+            f"DeepSeek-V3.2's indexer); {name} uses it"
         )
-    register()
-    return f"{backend.__module__}.{backend.__qualname__}"
+    widths = {
+        field: getattr(text_config, attribute, None)
+        for field, attribute in (
+            ("num_heads", "num_attention_heads"),
+            ("kv_lora_rank", "kv_lora_rank"),
+            ("qk_nope_head_dim", "qk_nope_head_dim"),
+            ("qk_rope_head_dim", "qk_rope_head_dim"),
+            ("v_head_dim", "v_head_dim"),
+        )
+    }
+    block_size = block_size or DEFAULT_CHECK_BLOCK_SIZE
+    provider = current_provider("mla")
+    sizes = ", ".join(f"{key}={value}" for key, value in widths.items())
+    try:
+        spec = MLASpec(**widths, block_size=block_size, dtype=model_config.dtype)
+        npu_attention.get_provider(provider, family="mla").check_spec(spec)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{PREFIX} cannot run the MLA layers of {name} with the {provider!r} MLA "
+            f"provider ({sizes}, block_size={block_size}, dtype={model_config.dtype}): "
+            f"{error}"
+        ) from None
 
 
 def apply_capture_plan(vllm_config: VllmConfig, backend_name: str) -> None:
@@ -164,8 +126,6 @@ def apply_capture_plan(vllm_config: VllmConfig, backend_name: str) -> None:
         ValueError: a capture size larger than a step can be, or a budget that
             leaves no graph at all, with what to change.
     """
-    from npu_graphs import get_backend, plan_capture
-
     compilation = vllm_config.compilation_config
     sizes = sorted(compilation.cudagraph_capture_sizes or [])
     if not sizes:

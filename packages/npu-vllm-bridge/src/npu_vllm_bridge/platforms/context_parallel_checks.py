@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import npu_attention
+from npu_vllm_bridge.settings import PREFIX, current_provider
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-PREFIX = "npu-vllm-bridge"
 
 
 def check_context_parallel(vllm_config: VllmConfig) -> None:
@@ -59,11 +60,7 @@ def check_context_parallel(vllm_config: VllmConfig) -> None:
 
 def check_mla_lse(what: str, model: str) -> None:
     """Refuse DCP for an MLA model when the platform's MLA provider returns no LSE."""
-    from vllm.platforms import current_platform
-
-    import npu_attention
-
-    provider = getattr(current_platform, "attention_provider", None) or "reference"
+    provider = current_provider("mla")
     if not npu_attention.returns_lse(provider, family="mla"):
         raise ValueError(
             f"{PREFIX} runs {what} for MLA models ({model}) only with an MLA provider "

@@ -21,6 +21,7 @@ from vllm.platforms.cpu import CpuPlatform
 
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.common import BridgePlatformMixin
+from npu_vllm_bridge.settings import PREFIX, BridgeSettings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -34,12 +35,14 @@ OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 class HostPlatform(BridgePlatformMixin, CpuPlatform):
     """vLLM's ``CpuPlatform`` whose attention backend and graphs are the bridge's."""
 
-    attention_provider: str = "reference"
-    kv_cache_split: str = "packed"
-    graph_backend: str = "host"
     # Host graphs record attention tasks whole and re-run them with each step's plan:
     # no workspace is sized at capture, so captures plan vLLM's short dummy contexts.
-    capture_longest_context: bool = False
+    bridge_settings = BridgeSettings(
+        attention_provider="reference",
+        kv_cache_split="packed",
+        graph_backend="host",
+        capture_longest_context=False,
+    )
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
@@ -55,7 +58,7 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         if compilation.cudagraph_mode != CUDAGraphMode.NONE:
             compilation.cudagraph_capture_sizes = capture_sizes
             _host_graph_compilation(compilation, requested_mode)
-            checks.apply_capture_plan(vllm_config, cls.graph_backend)
+            checks.apply_capture_plan(vllm_config, cls.bridge_settings.graph_backend)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = HOST_WORKER
@@ -101,7 +104,7 @@ def _restore_mla_scheduling(
     for config, name, value in settings:
         setattr(config, name, value)
     logger.info(
-        "npu-vllm-bridge host mode: MLA with chunked prefill %s and prefix caching %s",
+        f"{PREFIX} host mode: MLA with chunked prefill %s and prefix caching %s",
         "on" if vllm_config.scheduler_config.enable_chunked_prefill else "off",
         "on" if vllm_config.cache_config.enable_prefix_caching else "off",
     )
@@ -140,7 +143,7 @@ def _default_omp_threads_bind(ranks: int) -> None:
         return
     os.environ[OMP_THREADS_BIND] = omp_threads_bind(sorted(os.sched_getaffinity(0)), ranks)
     logger.info(
-        "npu-vllm-bridge host mode: %s=%s (%d ranks, fewer NUMA nodes than ranks)",
+        f"{PREFIX} host mode: %s=%s (%d ranks, fewer NUMA nodes than ranks)",
         OMP_THREADS_BIND,
         os.environ[OMP_THREADS_BIND],
         ranks,
@@ -160,7 +163,7 @@ def _host_graph_compilation(compilation, requested_mode) -> None:
         return
     if compilation.mode != CompilationMode.NONE:
         logger.info(
-            "npu-vllm-bridge host mode: torch.compile off (host graphs record aten ops, "
+            f"{PREFIX} host mode: torch.compile off (host graphs record aten ops, "
             "not inductor kernels)"
         )
         compilation.mode = CompilationMode.NONE

@@ -17,6 +17,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 from npu_vllm_bridge.plugin import require_npu
+from npu_vllm_bridge.settings import PREFIX, BridgeSettings
 
 require_npu()
 
@@ -44,11 +45,11 @@ class NPUPlatform(BridgePlatformMixin, Platform):
     dist_backend: str = "hccl"
     simple_compile_backend: str = "eager"
 
-    attention_provider: str = "ascend"
     # Ascend's paged kernels take contiguous K and V caches: each layer's region holds
     # all blocks' K, then all blocks' V (see npu_vllm_bridge.attention.kv_cache).
-    kv_cache_split: str = "planes"
-    graph_backend: str = "npu"
+    bridge_settings = BridgeSettings(
+        attention_provider="ascend", kv_cache_split="planes", graph_backend="npu"
+    )
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -84,7 +85,7 @@ class NPUPlatform(BridgePlatformMixin, Platform):
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
-                f"npu-vllm-bridge runs float16 or bfloat16 models on the NPU, got {dtype}; "
+                f"{PREFIX} runs float16 or bfloat16 models on the NPU, got {dtype}; "
                 "pass dtype='bfloat16' or dtype='float16'"
             )
 
@@ -112,7 +113,7 @@ class NPUPlatform(BridgePlatformMixin, Platform):
             cache_config.block_size = NPU_BLOCK_SIZE
         elif cache_config.block_size != NPU_BLOCK_SIZE:
             raise ValueError(
-                f"npu-vllm-bridge needs block_size={NPU_BLOCK_SIZE} on the NPU (the paged "
+                f"{PREFIX} needs block_size={NPU_BLOCK_SIZE} on the NPU (the paged "
                 f"attention kernels' page), got block_size={cache_config.block_size}; leave "
                 "block_size unset or pass 128"
             )
@@ -120,7 +121,7 @@ class NPUPlatform(BridgePlatformMixin, Platform):
         if compilation.cudagraph_mode.has_piecewise_cudagraphs():
             # Dynamo splits the model at attention; pieces run eagerly inside graphs.
             compilation.backend = "eager"
-        checks.apply_capture_plan(vllm_config, cls.graph_backend)
+        checks.apply_capture_plan(vllm_config, cls.bridge_settings.graph_backend)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = NPU_WORKER
@@ -128,10 +129,10 @@ class NPUPlatform(BridgePlatformMixin, Platform):
 
 def _check_npu_options(vllm_config: VllmConfig) -> None:
     if vllm_config.lora_config is not None:
-        raise ValueError("npu-vllm-bridge does not support LoRA on the NPU; remove enable_lora")
+        raise ValueError(f"{PREFIX} does not support LoRA on the NPU; remove enable_lora")
     model_config = vllm_config.model_config
     if model_config is not None and model_config.quantization is not None:
         raise ValueError(
-            f"npu-vllm-bridge does not support quantized models on the NPU "
+            f"{PREFIX} does not support quantized models on the NPU "
             f"(quantization={model_config.quantization!r})"
         )

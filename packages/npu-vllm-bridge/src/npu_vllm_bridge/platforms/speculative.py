@@ -18,29 +18,20 @@ Everything else is refused here, with what to change.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING
+
+from npu_vllm_bridge.attention.capabilities import refuse_head_size
+from npu_vllm_bridge.settings import PREFIX
+from npu_vllm_bridge.spec_methods import (
+    DRAFT_FREE_METHODS,
+    DRAFT_HEAD_METHODS,
+    MAX_QUERY_TOKENS_PER_REQUEST,
+    accepted_methods,
+    mtp_methods,
+)
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
-
-PREFIX = "npu-vllm-bridge"
-
-# The NPU's fused attention in TND layout caps a request at 16 query tokens, so a
-# verify step may carry at most 15 draft tokens per request.
-MAX_QUERY_TOKENS_PER_REQUEST = 16
-DRAFT_FREE_METHODS = ("ngram",)
-DRAFT_HEAD_METHODS = ("eagle", "eagle3", "draft_model")
-
-
-def mtp_methods() -> tuple[str, ...]:
-    """vLLM's names of MTP drafters (``"mtp"`` and the per-model ``"*_mtp"``)."""
-    from vllm.config.speculative import MTPModelTypes
-
-    return tuple(get_args(MTPModelTypes))
-
-
-def accepted_methods() -> tuple[str, ...]:
-    return (*DRAFT_FREE_METHODS, *DRAFT_HEAD_METHODS, *mtp_methods())
 
 
 def check_speculative(vllm_config: VllmConfig) -> None:
@@ -88,8 +79,6 @@ def _check_mtp(target: ModelConfig | None, method: str) -> None:
 def _check_draft_layout(target: ModelConfig | None, draft: ModelConfig, method: str) -> None:
     """The draft's attention must be one the bridge serves, in the target's KV-cache
     layout: both paged K/V (or both MLA latent), in the same dtype."""
-    from npu_vllm_bridge.platforms.checks import attention_head_sizes
-
     name = draft.model
     if target is not None and bool(draft.use_mla) != bool(target.use_mla):
         kinds = {True: "an MLA latent cache", False: "paged K/V"}
@@ -105,11 +94,4 @@ def _check_draft_layout(target: ModelConfig | None, draft: ModelConfig, method: 
         )
     if draft.use_mla:
         return
-    head_size = draft.get_head_size()
-    provider, head_sizes = attention_head_sizes()
-    if head_size not in head_sizes:
-        raise ValueError(
-            f"{PREFIX} cannot run the {method} draft {name}: head size {head_size} is not "
-            f"supported by the {provider!r} attention provider (its head sizes: "
-            f"{list(head_sizes)})"
-        )
+    refuse_head_size(draft.get_head_size(), f"the {method} draft {name}")

@@ -10,9 +10,9 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from npu_vllm_bridge.attention.mla_context_parallel import install_mla_dcp
+from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
+from npu_vllm_bridge.collectives import record_all_reduce_whole
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
-from npu_vllm_bridge.worker.host_collectives import record_all_reduce_whole
 
 logger = init_logger(f"vllm.{__name__}")
 

@@ -17,7 +17,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
-from npu_vllm_bridge.attention.mla_context_parallel import install_mla_dcp
+from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 
 # torch.cuda names vLLM's GPU runner and worker call, and their torch.npu twins.
