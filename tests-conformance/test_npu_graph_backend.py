@@ -109,10 +109,6 @@ def test_replay_without_update_is_stale(stand_in) -> None:
     assert max_error(out, steps.expected(2)) > 10 * TOLERANCE
 
 
-def test_auto_dispatch_is_detected_in_torch_npu_2_14(stand_in) -> None:
-    assert NpuGraphBackend.has_auto_dispatch() is True
-
-
 class UpdateOnCaptureStream(NpuGraphBackend):
     """Issues task updates on the capture stream."""
 

@@ -1,7 +1,11 @@
 """A stand-in for torch_npu's graph API that logs every call, to test the NPU protocol on CPU.
 
-It mirrors the names and signatures of torch_npu 2.14.0 (``torch_npu/npu/graphs.py``,
-``streams.py``); captured work runs eagerly and replays do nothing.
+It records the order of the npu backend's calls (names as in torch_npu 2.14.0's
+``torch_npu/npu/graphs.py`` and ``streams.py``); captured work runs eagerly and
+replays do nothing. It checks nothing of torch_npu's API: the conformance suite
+(``tests-conformance``) binds every call to the signatures read from the wheel and
+enforces the protocol's rules. This one lets the package's own tests check the call
+order without that wheel.
 """
 
 from __future__ import annotations
@@ -13,13 +17,13 @@ import types
 class StandIn:
     """Builds the ``torch_npu`` module and its ``npu`` namespace, sharing one call log."""
 
-    def __init__(self, auto_dispatch: bool = True) -> None:
+    def __init__(self) -> None:
         self.log: list[tuple] = []
-        self.npu = self._namespace(auto_dispatch)
+        self.npu = self._namespace()
         self.module = types.ModuleType("torch_npu")
         self.module.npu = self.npu
 
-    def _namespace(self, auto_dispatch: bool) -> types.SimpleNamespace:
+    def _namespace(self) -> types.SimpleNamespace:
         log = self.log
         current = {"stream": None}
 
@@ -51,19 +55,9 @@ class StandIn:
             def replay(self):
                 log.append(("replay", self))
 
-            def update(self, cpu_update_input):
-                log.append(("graph.update", self, [dict(d) for d in cpu_update_input]))
-
-        if not auto_dispatch:
-            del NPUGraph.update
-
         class graph:
-            def __init__(
-                self, npu_graph, pool=None, stream=None, capture_error_mode="global", **extra
-            ):
-                if extra and not auto_dispatch:
-                    raise TypeError(f"unexpected {sorted(extra)}")
-                self.args = (npu_graph, pool, stream, capture_error_mode, extra)
+            def __init__(self, npu_graph, pool=None, stream=None, capture_error_mode="global"):
+                self.args = (npu_graph, pool, stream, capture_error_mode)
 
             def __enter__(self):
                 log.append(("capture_begin", *self.args))
@@ -73,20 +67,6 @@ class StandIn:
                 log.append(("capture_end", self.args[0]))
                 current["stream"] = None
 
-        if auto_dispatch:
-
-            def _init(
-                self,
-                npu_graph,
-                pool=None,
-                stream=None,
-                auto_dispatch_capture=False,
-                capture_error_mode="global",
-            ):
-                extra = {"auto_dispatch_capture": auto_dispatch_capture}
-                self.args = (npu_graph, pool, stream, capture_error_mode, extra)
-
-            graph.__init__ = _init
         default = Stream()
 
         @contextlib.contextmanager

@@ -18,8 +18,8 @@ from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    def install(auto_dispatch=True):
-        fake = StandIn(auto_dispatch)
+    def install():
+        fake = StandIn()
         monkeypatch.setitem(sys.modules, "torch_npu", fake.module)
         monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
         return fake
@@ -103,30 +103,6 @@ def test_a_replay_without_update_only_releases_the_events(stand_in):
     names = _names(fake.log)
     assert names.count("replay") == 2 and names.count("external.record") == 2
     assert "synchronize" not in names
-
-
-def test_auto_dispatch_updates_through_graph_update(stand_in):
-    from npu_graphs.backends.npu import NpuGraphBackend
-
-    fake = stand_in(auto_dispatch=True)
-    backend = NpuGraphBackend(auto_dispatch=True)
-    _wrapper, registry = _captured_engine(backend)
-    begin = next(e for e in fake.log if e[0] == "capture_begin")
-    assert begin[5] == {"auto_dispatch_capture": True}
-    assert "group_begin" not in _names(fake.log)
-    fake.log.clear()
-    registry.update(4, {"seq_lens": [2, 2]})
-    (update,) = [e for e in fake.log if e[0] == "graph.update"]
-    assert update[2] == [{"seq_lens": [2, 2]}, {"seq_lens": [2, 2]}]
-
-
-def test_auto_dispatch_needs_a_torch_npu_that_has_it(stand_in):
-    from npu_graphs.backends.npu import NpuGraphBackend
-
-    stand_in(auto_dispatch=False)
-    assert not NpuGraphBackend.has_auto_dispatch()
-    with pytest.raises(ValueError, match="auto_dispatch=True needs"):
-        NpuGraphBackend(auto_dispatch=True)
 
 
 def test_stream_budget_and_cache_flush(stand_in):

@@ -56,8 +56,8 @@ class UpdatableTask:
 class TaskIssue:
     """Re-issues one task with new host values when called (inside a backend's task update).
 
-    ``host_values`` is exposed too, for backends that update ops by their keyword
-    arguments instead of re-issuing them (torch_npu's ``NPUGraph.update``).
+    ``host_values`` is exposed too, for backends that record tasks whole and swap their
+    host arguments instead of re-issuing them (``records_tasks_whole``: host graphs).
     """
 
     __slots__ = ("host_values", "task")
@@ -351,7 +351,7 @@ def _issue_recorded(
         return backend.record_task(graph, stream, fn, args, kwargs, host)
     token = backend.task_group_begin(graph, stream)
     result = fn(*args, **kwargs, **host)
-    return result, backend.task_group_end(graph, stream, token, host)
+    return result, backend.task_group_end(graph, stream, token)
 
 
 def _derive(derive: Derive | None, step: Any) -> Mapping[str, Any]:

@@ -119,13 +119,8 @@ class GraphBackend(abc.ABC):
         """Open a task group inside a capture; returns a token for ``task_group_end``."""
         raise NotImplementedError(f"the {self.name} backend has no task groups")
 
-    def task_group_end(
-        self, graph: Any, stream: Any, token: Any, host_values: Mapping[str, Any] | None = None
-    ) -> Any:
-        """Close the task group opened with ``token``; returns its update handle.
-
-        ``host_values`` are the task's host step arguments as captured (keyword form).
-        """
+    def task_group_end(self, graph: Any, stream: Any, token: Any) -> Any:
+        """Close the task group opened with ``token``; returns its update handle."""
         raise NotImplementedError(f"the {self.name} backend has no task groups")
 
     def record_task(

@@ -506,9 +506,7 @@ class HostGraphBackend(GraphBackend):
             raise GraphCaptureError("task_group_begin outside the capture of this graph")
         return graph.num_ops
 
-    def task_group_end(
-        self, graph: Any, stream: Any, token: Any, host_values: Mapping[str, Any] | None = None
-    ) -> HostTaskHandle:
+    def task_group_end(self, graph: Any, stream: Any, token: Any) -> HostTaskHandle:
         if graph is not _ACTIVE:
             raise GraphCaptureError("task_group_end outside the capture of this graph")
         graph.groups.append((token, graph.num_ops))

@@ -13,20 +13,17 @@ Task protocol (explicit task groups, the default):
   (an event, not a device-wide synchronize), ``graph_task_update_begin(stream,
   handle)``, the same op with new host arguments, ``graph_task_update_end(stream)``,
   then ``event.record(update_stream)``; the captured ``wait`` orders the replay after it;
-* a task whose step did not change is only released: its event is recorded.
+* a replay not preceded by an update only releases the tasks: their events are recorded.
 
-With ``auto_dispatch=True`` (torch_npu builds that accept ``auto_dispatch_capture``),
-torch_npu groups the ops it knows itself (fused infer attention, paged attention)
-and ``NPUGraph.update(cpu_update_input=[...])`` re-issues them with new keyword
-arguments; each updatable task must then hold exactly one such op.
+torch_npu's other update path (``torch.npu.graph(auto_dispatch_capture=True)`` with
+``NPUGraph.update(cpu_update_input=[...])``) is not used.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -41,17 +38,14 @@ from npu_graphs.planner import NPU_STREAM_BUDGET, graphs_within_stream_budget
 class NpuTaskHandle:
     """A captured task group and the external event that gates the replay on its update."""
 
-    group: Any  # what graph_task_group_end returned; None on the auto-dispatch path
-    event: Any  # torch.npu.ExternalEvent; None on the auto-dispatch path
-    index: int  # position among the graph's task groups
+    group: Any  # what graph_task_group_end returned
+    event: Any  # torch.npu.ExternalEvent
 
 
 class NpuGraphBackend(GraphBackend):
     """Graphs of NPU work, with per-task host-argument update.
 
     Args:
-        auto_dispatch: capture with ``auto_dispatch_capture=True`` and update through
-            ``NPUGraph.update(cpu_update_input=...)`` (needs a torch_npu that has it).
         capture_error_mode: passed to ``torch.npu.graph``.
         stream_budget: streams the device offers to graphs (for ``max_graphs``).
     """
@@ -66,7 +60,6 @@ class NpuGraphBackend(GraphBackend):
     def __init__(
         self,
         *,
-        auto_dispatch: bool = False,
         capture_error_mode: str = "global",
         stream_budget: int = NPU_STREAM_BUDGET,
     ) -> None:
@@ -77,26 +70,12 @@ class NpuGraphBackend(GraphBackend):
                 "the npu graph backend needs torch_npu with Ascend CANN "
                 "(pip install 'npu-graphs[ascend]'); use 'cuda' or 'host' elsewhere"
             ) from exc
-        if auto_dispatch and not self.has_auto_dispatch():
-            raise ValueError(
-                "auto_dispatch=True needs torch.npu.graph(auto_dispatch_capture=...) and "
-                "NPUGraph.update(cpu_update_input=...), which this torch_npu lacks"
-            )
-        self.auto_dispatch = auto_dispatch
         self.capture_error_mode = capture_error_mode
         self.stream_budget = stream_budget
         self._update_stream: Any = None
         self._replay_done: Any = None
         self._replayed = False
         self._capturing: Any = None
-        self._groups: dict[int, int] = {}
-        self._auto_inputs: dict[int, list[dict[str, Any]]] = {}
-
-    @staticmethod
-    def has_auto_dispatch() -> bool:
-        """True if the installed torch_npu offers the auto-dispatch capture and update."""
-        graph_init = inspect.signature(torch.npu.graph.__init__).parameters
-        return "auto_dispatch_capture" in graph_init and hasattr(torch.npu.NPUGraph, "update")
 
     # -- graphs -----------------------------------------------------------------------
     def new_graph(self) -> Any:
@@ -107,23 +86,12 @@ class NpuGraphBackend(GraphBackend):
 
     @contextlib.contextmanager
     def capture(self, graph: Any, *, pool: Any = None, stream: Any = None) -> Iterator[None]:
-        extra = {"auto_dispatch_capture": True} if self.auto_dispatch else {}
         self._capturing = graph
-        self._groups[id(graph)] = 0
-        self._auto_inputs[id(graph)] = []
         try:
             with torch.npu.graph(
-                graph,
-                pool=pool,
-                stream=stream,
-                capture_error_mode=self.capture_error_mode,
-                **extra,
+                graph, pool=pool, stream=stream, capture_error_mode=self.capture_error_mode
             ):
                 yield
-        except BaseException:
-            self._groups.pop(id(graph), None)
-            self._auto_inputs.pop(id(graph), None)
-            raise
         finally:
             self._capturing = None
 
@@ -164,29 +132,16 @@ class NpuGraphBackend(GraphBackend):
 
     # -- task groups ------------------------------------------------------------------
     def task_group_begin(self, graph: Any, stream: Any) -> Any:
-        if self.auto_dispatch:
-            return None
         event = torch.npu.ExternalEvent()
         event.wait(stream)
         event.reset(stream)
         torch.npu.graph_task_group_begin(stream)
         return event
 
-    def task_group_end(
-        self, graph: Any, stream: Any, token: Any, host_values: Mapping[str, Any] | None = None
-    ) -> NpuTaskHandle:
-        index = self._groups.get(id(graph), 0)
-        self._groups[id(graph)] = index + 1
-        if self.auto_dispatch:
-            self._auto_inputs.setdefault(id(graph), []).append(dict(host_values or {}))
-            return NpuTaskHandle(None, None, index)
-        group = torch.npu.graph_task_group_end(stream)
-        return NpuTaskHandle(group, token, index)
+    def task_group_end(self, graph: Any, stream: Any, token: Any) -> NpuTaskHandle:
+        return NpuTaskHandle(torch.npu.graph_task_group_end(stream), token)
 
     def update_tasks(self, graph: Any, updates: Sequence[TaskUpdate]) -> None:
-        if self.auto_dispatch:
-            self._update_auto(graph, updates)
-            return
         stream = self._ordered_update_stream()
         with torch.npu.stream(stream):
             for handle, issue in updates:
@@ -203,13 +158,6 @@ class NpuGraphBackend(GraphBackend):
         if self._replayed:
             self._update_stream.wait_event(self._replay_done)
         return self._update_stream
-
-    def _update_auto(self, graph: Any, updates: Sequence[TaskUpdate]) -> None:
-        inputs = self._auto_inputs[id(graph)]  # one dict per task, captured values first
-        for handle, issue in updates:
-            if issue is not None:
-                inputs[handle.index] = dict(issue.host_values)
-        graph.update(cpu_update_input=inputs)
 
     # -- memory -----------------------------------------------------------------------
     def memory_in_use(self) -> int:
