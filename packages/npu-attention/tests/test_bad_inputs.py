@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from npu_attention import AttentionSpec, PlanBuffers, get_provider, plan, run
+from npu_attention import AttentionSpec, PlanBuffers, get_provider, plan, registry, run
 from npu_attention.providers.base import AttentionProvider
 from npu_attention.providers.reference import ReferenceProvider
-from npu_attention.providers.registry import register_provider
+from npu_attention.registry import register_provider
 
 SPEC = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32)
 CU, SEQ, SLOTS, DECODES = [0, 1, 4], [10, 3], [25, 33, 34, 35], 1
@@ -41,10 +41,9 @@ def test_head_size_any_provider_lacks_is_a_valid_spec() -> None:
 @pytest.mark.parametrize("provider", ["reference", "triton", "ascend"])
 def test_supported_head_sizes_are_declared_per_provider(provider: str) -> None:
     from npu_attention import supported_head_sizes
-    from npu_attention.providers.registry import _provider_class
 
     sizes = supported_head_sizes(provider)
-    assert sizes == _provider_class(provider).head_sizes
+    assert sizes == registry._provider_class(provider).head_sizes
     assert 64 in sizes and 48 not in sizes
 
 
@@ -76,8 +75,6 @@ class _Head48Provider(ReferenceProvider):
 
 
 def test_plan_asks_the_chosen_provider_for_its_head_sizes(monkeypatch) -> None:
-    from npu_attention.providers import registry
-
     monkeypatch.setattr(registry, "_LAZY_PROVIDERS", dict(registry._LAZY_PROVIDERS))
     monkeypatch.setattr(registry, "_INSTANCES", dict(registry._INSTANCES))
     register_provider("head_48", f"{__name__}:_Head48Provider")

@@ -16,7 +16,7 @@ from npu_attention.mla import (
 )
 from npu_attention.plan import AttentionPlan, plan
 from npu_attention.providers.base import AttentionProvider
-from npu_attention.providers.registry import (
+from npu_attention.registry import (
     available_providers,
     get_provider,
     register_provider,

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from npu_attention.spec import AttentionSpec
+
+
+class HostArrays(NamedTuple):
+    """The step's host metadata as int64 numpy arrays (what ``prepare`` vectorizes over)."""
+
+    cu_seqlens_q: np.ndarray  # [num_reqs + 1]
+    query_lens: np.ndarray  # [num_reqs]
+    seq_lens: np.ndarray  # [num_reqs]
+    context_lens: np.ndarray  # [num_reqs]
+
+
+def host_arrays(cu_seqlens_q: Any, seq_lens: Any) -> HostArrays:
+    """Checked ``HostArrays`` of a step from its host ``cu_seqlens_q`` and ``seq_lens``."""
+    cu = as_host_array(cu_seqlens_q, "cu_seqlens_q")
+    seq = as_host_array(seq_lens, "seq_lens")
+    query_lens = check_cu_seqlens(cu, seq)
+    host = HostArrays(cu, query_lens, seq, seq - query_lens)
+    check_seq_lens(host.seq_lens, host.query_lens, host.context_lens)
+    return host
 
 
 def as_host_array(values: Any, name: str) -> np.ndarray:

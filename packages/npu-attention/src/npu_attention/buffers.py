@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-from npu_attention._inputs import copy_into, host_staging
-
-if TYPE_CHECKING:
-    from npu_attention.plan import HostArrays
-    from npu_attention.spec import AttentionSpec
+from npu_attention._inputs import HostArrays, copy_into, host_staging
+from npu_attention.spec import AttentionSpec
 
 
 class PlanBuffers:

@@ -29,19 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from npu_attention import _inputs
+from npu_attention._inputs import HostArrays
+from npu_attention.buffers import PlanBuffers
 from npu_attention.mla.spec import MLASpec
-from npu_attention.plan import AttentionPlan, HostArrays, build_plan
+from npu_attention.plan import AttentionPlan, build_plan
 from npu_attention.spec import AttentionSpec
-
-if TYPE_CHECKING:
-    from npu_attention.buffers import PlanBuffers
-
 
 # ------------------------------------------------------------------ DCP sharding
 

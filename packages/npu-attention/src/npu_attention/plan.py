@@ -33,27 +33,16 @@ CONTRACT (shared by every provider and by npu-vllm-bridge):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from npu_attention import _inputs
-from npu_attention.providers.registry import get_provider
+from npu_attention._inputs import HostArrays
+from npu_attention.buffers import PlanBuffers
+from npu_attention.registry import get_provider
 from npu_attention.spec import AttentionSpec, BatchState, StepSpec
-
-if TYPE_CHECKING:
-    from npu_attention.buffers import PlanBuffers
-    from npu_attention.providers.base import AttentionProvider
-
-
-class HostArrays(NamedTuple):
-    """The step's host metadata as int64 numpy arrays (what ``prepare`` vectorizes over)."""
-
-    cu_seqlens_q: np.ndarray  # [num_reqs + 1]
-    query_lens: np.ndarray  # [num_reqs]
-    seq_lens: np.ndarray  # [num_reqs]
-    context_lens: np.ndarray  # [num_reqs]
 
 
 @dataclass
@@ -67,7 +56,9 @@ class AttentionPlan:
 
     spec: AttentionSpec  # or an npu_attention.mla.MLASpec
     state: BatchState
-    provider: AttentionProvider
+    # The chosen provider: an npu_attention.providers.base.AttentionProvider, or an
+    # npu_attention.providers.mla_base.MLAProvider for an MLASpec.
+    provider: Any
     device: torch.device
     num_reqs: int
     num_decodes: int
@@ -153,8 +144,7 @@ def plan(
     """
     if not isinstance(spec, StepSpec):
         raise TypeError(f"spec must be an AttentionSpec or an MLASpec, got {type(spec).__name__}")
-    host = _host_arrays(cu_seqlens_q, seq_lens)
-    _inputs.check_seq_lens(host.seq_lens, host.query_lens, host.context_lens)
+    host = _inputs.host_arrays(cu_seqlens_q, seq_lens)
     return build_plan(
         host, block_tables, slot_mapping, num_decodes, spec, device, provider, buffers,
         num_blocks, device_lengths,
@@ -262,13 +252,6 @@ def _resolve_device(device: torch.device | str | None, tables: torch.Tensor) -> 
         return resolved
     backend = getattr(torch, requested.type)
     return torch.device(requested.type, backend.current_device())
-
-
-def _host_arrays(cu_seqlens_q: Any, seq_lens: Any) -> HostArrays:
-    cu = _inputs.as_host_array(cu_seqlens_q, "cu_seqlens_q")
-    seq = _inputs.as_host_array(seq_lens, "seq_lens")
-    query_lens = _inputs.check_cu_seqlens(cu, seq)
-    return HostArrays(cu, query_lens, seq, seq - query_lens)
 
 
 def _tables_and_slots(

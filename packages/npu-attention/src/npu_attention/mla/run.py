@@ -9,13 +9,18 @@ values decompressed from the cache by the caller's ``kv_up_proj``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from npu_attention.mla.cache import LatentCache, check_latent_cache
 from npu_attention.mla.spec import MLASpec
 from npu_attention.plan import AttentionPlan
-from npu_attention.providers.mla_base import KVUpProjection
 from npu_attention.run import check_lse
+
+# kv_c rows [n, kv_lora_rank] -> per-head [k_nope | v], [n, num_heads * (P + V)] or
+# [n, num_heads, P + V] (vLLM's kv_b_proj output).
+KVUpProjection = Callable[[torch.Tensor], torch.Tensor]
 
 
 def mla_write_cache(

@@ -68,15 +68,13 @@ import importlib
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from npu_attention.plan import AttentionPlan
 from npu_attention.providers.base import AttentionProvider
 from npu_attention.spec import AttentionSpec
-
-if TYPE_CHECKING:
-    from npu_attention.plan import AttentionPlan
 
 ASCEND_BLOCK_SIZE = 128
 CAUSAL_MASK_SIZE = 2048

@@ -98,12 +98,15 @@ with ``actual_seq_kvlen`` 0 only implicitly (vllm-ascend pads graph batches so).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from npu_attention.mla.run import up_projected_heads
+from npu_attention.mla.cache import LatentCache
+from npu_attention.mla.run import KVUpProjection, up_projected_heads
+from npu_attention.mla.spec import MLASpec
+from npu_attention.plan import AttentionPlan
 from npu_attention.providers.ascend import (
     ASCEND_DTYPES,
     CAUSAL_MASK_SIZE,
@@ -112,12 +115,7 @@ from npu_attention.providers.ascend import (
     _written_slots,
     torch_npu_module,
 )
-from npu_attention.providers.mla_base import KVUpProjection, MLAProvider, require_cache
-
-if TYPE_CHECKING:
-    from npu_attention.mla.cache import LatentCache
-    from npu_attention.mla.spec import MLASpec
-    from npu_attention.plan import AttentionPlan
+from npu_attention.providers.mla_base import MLAProvider, require_cache
 
 MLA_LATENT = 512  # query D of the absorbed (paged) call
 MLA_ROPE = 64  # query_rope / key_rope D

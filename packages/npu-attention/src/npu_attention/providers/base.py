@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from npu_attention.plan import AttentionPlan
-    from npu_attention.spec import AttentionSpec
+from npu_attention.plan import AttentionPlan
+from npu_attention.spec import AttentionSpec
 
 # The head sizes vLLM's CPU attention backend (CPU_ATTN) accepts.
 VLLM_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)

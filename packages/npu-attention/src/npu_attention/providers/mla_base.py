@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from npu_attention.mla.cache import LatentCache
-    from npu_attention.mla.spec import MLASpec
-    from npu_attention.plan import AttentionPlan
-
-# kv_c rows [n, kv_lora_rank] -> per-head [k_nope | v], [n, num_heads * (P + V)] or
-# [n, num_heads, P + V] (vLLM's kv_b_proj output).
-KVUpProjection = Callable[[torch.Tensor], torch.Tensor]
+from npu_attention.mla.cache import LatentCache
+from npu_attention.mla.run import KVUpProjection
+from npu_attention.mla.spec import MLASpec
+from npu_attention.plan import AttentionPlan
 
 
 def require_cache(plan: AttentionPlan) -> None:

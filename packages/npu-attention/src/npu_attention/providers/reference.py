@@ -19,16 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 
+from npu_attention._inputs import HostArrays
+from npu_attention.plan import AttentionPlan
 from npu_attention.providers.base import VLLM_HEAD_SIZES, AttentionProvider
-
-if TYPE_CHECKING:
-    from npu_attention.plan import AttentionPlan, HostArrays
-    from npu_attention.spec import AttentionSpec
+from npu_attention.spec import AttentionSpec
 
 TILE_ELEMENTS = 1 << 22  # float32 elements of a tile's scores, or of its gathered K
 GROUP_MASK_ELEMENTS = 1 << 24  # a group's masks up to this size are built in one piece

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from npu_attention.mla.run import up_projected_heads
-from npu_attention.providers.mla_base import KVUpProjection, MLAProvider, require_cache
+from npu_attention.mla.cache import LatentCache
+from npu_attention.mla.run import KVUpProjection, up_projected_heads
+from npu_attention.mla.spec import MLASpec
+from npu_attention.plan import AttentionPlan
+from npu_attention.providers.mla_base import MLAProvider, require_cache
 from npu_attention.providers.reference import (
     KVWrite,
     Tile,
@@ -33,11 +36,6 @@ from npu_attention.providers.reference import (
     masked_attention,
 )
 from npu_attention.spec import AttentionSpec
-
-if TYPE_CHECKING:
-    from npu_attention.mla.cache import LatentCache
-    from npu_attention.mla.spec import MLASpec
-    from npu_attention.plan import AttentionPlan
 
 
 @dataclass(frozen=True)

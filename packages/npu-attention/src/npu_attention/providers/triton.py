@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from npu_attention.plan import AttentionPlan
 from npu_attention.providers.base import VLLM_HEAD_SIZES, AttentionProvider
 from npu_attention.spec import AttentionSpec, BatchState
 
-if TYPE_CHECKING:
-    from npu_attention.plan import AttentionPlan
+if TYPE_CHECKING:  # triton is optional: its kernels are imported where they run
     from npu_attention.providers.triton_kernels import AttentionLaunchConfig
 
 _DECODE_STATES = (BatchState.DECODE_ONLY, BatchState.SPEC_DECODING)

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from npu_attention.mla.cache import LatentCache
+from npu_attention.mla.spec import MLASpec
+from npu_attention.plan import AttentionPlan
 from npu_attention.providers.mla_base import require_cache
 from npu_attention.providers.reference_mla import PrefillPages, ReferenceMLAProvider, prefill_pages
 
-if TYPE_CHECKING:
-    from npu_attention.mla.cache import LatentCache
-    from npu_attention.mla.spec import MLASpec
-    from npu_attention.plan import AttentionPlan
+if TYPE_CHECKING:  # triton is optional: its kernels are imported where they run
     from npu_attention.providers.triton_kernels.mla_decode import MLADecodeConfig
 
 _MAX_KV_SPLITS = 64

@@ -1,8 +1,13 @@
 """Name -> provider class registries; providers are chosen by name or by device.
 
 Two families share the names and the device preferences: ``"attention"``
-(``AttentionProvider``, for ``AttentionSpec``) and ``"mla"`` (``MLAProvider``,
-for ``npu_attention.mla.MLASpec``).
+(``npu_attention.providers.base.AttentionProvider``, for ``AttentionSpec``) and
+``"mla"`` (``npu_attention.providers.mla_base.MLAProvider``, for
+``npu_attention.mla.MLASpec``).
+
+Providers are registered as ``"module:Class"`` strings and imported on first use, so
+that torch_npu / triton are imported only when their provider is chosen; this module
+imports no provider itself (the providers sit above ``plan``, which chooses through here).
 """
 
 from __future__ import annotations
@@ -11,10 +16,7 @@ from typing import Any
 
 import torch
 
-from npu_attention.providers.base import AttentionProvider
-
-# name -> "module:Class"; imported lazily so that torch_npu / triton are only
-# imported when their provider is chosen.
+# name -> "module:Class"
 _LAZY_PROVIDERS: dict[str, str] = {
     "reference": "npu_attention.providers.reference:ReferenceProvider",
     "triton": "npu_attention.providers.triton:TritonProvider",
@@ -26,7 +28,7 @@ _DEVICE_PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("triton", "reference"),
     "npu": ("ascend",),
 }
-_INSTANCES: dict[str, AttentionProvider] = {}
+_INSTANCES: dict[str, Any] = {}
 _LAZY_MLA_PROVIDERS: dict[str, str] = {
     "reference": "npu_attention.providers.reference_mla:ReferenceMLAProvider",
     "triton": "npu_attention.providers.triton_mla:TritonMLAProvider",
