@@ -3,8 +3,9 @@
 A task is ``fn(*args, **kwargs, **derive(step))``: ``args``/``kwargs`` are static
 (weights, KV cache, output buffers), ``derive(step)`` gives the step arguments
 (sequence lengths, block tables ...) from one step object shared by every task of the
-step. Inside a capture the call is recorded under the graph's key; outside one it just
-runs. Once per step, before replay, ``registry.update(key, step)`` brings every task of
+step, or, for a task recorded with a ``name``, from the step's entry of that name (one
+step object per layer, say: ``update(key, {name: step})``). Inside a capture the call
+is recorded under the graph's key; outside one it just runs. Once per step, before replay, ``registry.update(key, step)`` brings every task of
 that key's graphs to the new step:
 
 * host values (ints, lists, host tensors) are re-issued through the backend's task
@@ -44,8 +45,17 @@ class UpdatableTask:
     host_names: tuple[str, ...]
     buffers: dict[str, torch.Tensor]
     baked: dict[str, Any]  # host values as captured, where the backend cannot update them
+    name: str | None = None  # the task takes step[name] of each update's step
 
     def step_kwargs(self, step: Any) -> Mapping[str, Any]:
+        if self.name is not None:
+            if not isinstance(step, Mapping) or self.name not in step:
+                got = sorted(step)[:4] if isinstance(step, Mapping) else type(step).__name__
+                raise TaskUpdateError(
+                    f"task {self.name!r} takes the step's entry {self.name!r}, but the step "
+                    f"has none (got {got})"
+                )
+            step = step[self.name]
         return _derive(self.derive, step)
 
     def issue(self, host_values: Mapping[str, Any]) -> TaskIssue:
@@ -112,19 +122,22 @@ class TaskRegistry:
         *args: Any,
         step: Any,
         derive: Derive | None = None,
+        name: str | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run ``fn(*args, **kwargs, **derive(step))``; inside a capture, record it as a task.
 
         ``derive`` (default: ``step`` itself, which must then be a Mapping) must be cheap:
-        it runs once per task per update.
+        it runs once per task per update. With ``name``, ``step`` is this task's own and
+        each update hands the task ``step[name]`` of the step it is given (tasks may
+        share a name: the ops of one layer, say).
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         session = active_session()
         if session is None:
             return fn(*args, **kwargs, **_derive(derive, step))
-        return self._record(session, fn, args, kwargs, step, derive)
+        return self._record(session, fn, args, kwargs, step, derive, name)
 
     def _record(
         self,
@@ -134,6 +147,7 @@ class TaskRegistry:
         kwargs: dict,
         step: Any,
         derive: Derive | None,
+        name: str | None,
     ) -> Any:
         if session.in_task:
             raise GraphCaptureError(f"{self._label}: updatable tasks cannot nest")
@@ -163,7 +177,7 @@ class TaskRegistry:
             args, kwargs = None, None
         task = UpdatableTask(
             fn, args, None if kwargs is None else dict(kwargs), derive, handle, tuple(host),
-            buffers, baked,
+            buffers, baked, name,
         )  # fmt: skip
         self._pending_graph(session).tasks.append(task)
         return result
@@ -312,7 +326,12 @@ class TaskRegistry:
 
 
 def call_task(
-    fn: Callable[..., Any], *args: Any, step: Any, derive: Derive | None = None, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    step: Any,
+    derive: Derive | None = None,
+    name: str | None = None,
+    **kwargs: Any,
 ) -> Any:
     """Run ``fn`` as an updatable task of the registry of the capture under way.
 
@@ -331,7 +350,7 @@ def call_task(
             f"call_task inside the capture of {session.describe()}, whose wrapper has no "
             "TaskRegistry: its step arguments would be baked into the graph"
         )
-    return session.default_registry.call(fn, *args, step=step, derive=derive, **kwargs)
+    return session.default_registry.call(fn, *args, step=step, derive=derive, name=name, **kwargs)
 
 
 def _issue_recorded(
