@@ -22,7 +22,6 @@ choice (``default``), and restricted to cuDNN (``cudnn``) and FlashAttention-2
 from __future__ import annotations
 
 import argparse
-import itertools
 from typing import Any
 
 import _timing  # first: puts the packages' src on sys.path
@@ -141,9 +140,8 @@ def tune(device: torch.device) -> dict[str, Any]:
         (64, 128, 4, 2),
         (64, 128, 4, 3),
     )
-    for pack, (block_m, block_n, warps, stages) in itertools.product((1, 0), shapes):
+    for block_m, block_n, warps, stages in shapes:
         launch = {
-            "pack_gqa": pack,
             "block_m": block_m,
             "block_n": block_n,
             "num_warps": warps,
@@ -158,7 +156,7 @@ def tune(device: torch.device) -> dict[str, Any]:
             continue
         trials.append({**launch, "tflops": result["tflops"], "tflops_bs16": result16["tflops"]})
         print(trials[-1])
-    keys = ("pack_gqa", "block_m", "block_n", "num_warps", "num_stages")
+    keys = ("block_m", "block_n", "num_warps", "num_stages")
     best = max(trials, key=lambda t: t["tflops"])
     best16 = max(trials, key=lambda t: t["tflops_bs16"])
     return {
@@ -168,54 +166,14 @@ def tune(device: torch.device) -> dict[str, Any]:
     }
 
 
-def tune_hopper(device: torch.device) -> list[dict[str, Any]]:
-    """Tile shapes x (tensor-descriptor K/V loads, warp specialization, scores of the
-    next tile issued before the softmax) at block sizes 128 and 16 (descriptors and
-    warp specialization apply only where a K/V tile lies in one page)."""
-    problem = PrefillProblem(*PROBLEMS["prefill"], device)
-    shapes = ((128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2))
-    variants = ((0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1), (1, 1, 0))
-    trials = []
-    for (block_m, block_n, warps, stages), (tma, ws, overlap) in itertools.product(
-        shapes, variants
-    ):
-        launch = {
-            "block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
-            "tma": tma, "warp_specialize": ws, "overlap_scores": overlap,
-        }  # fmt: skip
-        for block_size in (128, 16) if not (tma or ws) else (128,):
-            provider = TritonProvider()
-            for name, value in vars(provider).items():
-                if name.startswith("prefill_launch") and isinstance(value, dict):
-                    setattr(provider, name, dict(launch))
-            try:
-                result = measure(problem, provider, block_size)
-            except Exception as error:  # a variant the compiler refuses, out of shared memory
-                print(f"skip {launch}: {type(error).__name__}: {error}"[:300])
-                continue
-            trials.append({**launch, "block": block_size, **result})
-            print(trials[-1])
-    trials.sort(key=lambda t: (t["block"], -t["tflops"]))
-    for block_size in (128, 16):
-        best = [t for t in trials if t["block"] == block_size][:8]
-        _timing.print_table(list(best[0]), best)
-    return trials
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="sweep launch parameters first")
-    parser.add_argument(
-        "--tune-hopper", action="store_true", help="only sweep the TMA / warp-specialized paths"
-    )
     parser.add_argument(
         "--once", action="store_true", help="run the 8 x 2048 problem once (for a profiler)"
     )
     args = parser.parse_args()
     device = _timing.require_cuda()
-    if args.tune_hopper:
-        _timing.write_json("prefill_hopper_sweep", {"trials": tune_hopper(device)})
-        return
     if args.once:
         problem = PrefillProblem(*PROBLEMS["prefill"], device)
         problem.paged_runner(TritonProvider(), 128)()

@@ -5,7 +5,7 @@
 # DEST (default: $OUT, else benchmarks/results/suite) as at most 8 files (`tests` writes
 # one log per pytest process beside the mode's log).
 #
-#   bash benchmarks/gpu_suite.sh sweep   # launch sweeps: prefill --tune-hopper, decode --sweep,
+#   bash benchmarks/gpu_suite.sh sweep   # launch sweeps: the Gluon prefill's stages, decode --sweep,
 #                                        # plan host time, decoder step, MLA decode --tune
 #   bash benchmarks/gpu_suite.sh tests   # the `-m cuda` tests of npu-attention and npu-graphs
 #                                        # (four processes at once: 4 minutes on a fresh H100 machine)
@@ -35,7 +35,7 @@ part() {  # part NAME SECONDS COMMAND...; its output goes to $part_log (default:
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv >>"$log" 2>&1
 case $mode in
     sweep)
-        part prefill_hopper 150 python benchmarks/bench_prefill_attention.py --tune-hopper
+        part prefill_hopper 150 python benchmarks/bench_hopper_prefill.py --variants all
         part decode_sweep 180 python benchmarks/bench_decode_attention.py --sweep
         part plan_host 60 python benchmarks/bench_decoder_step.py --plan-only
         part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
@@ -43,9 +43,8 @@ case $mode in
         ;;
     tests)  # four pytest processes at once: compiling the Triton variants is the long part
         attention=packages/npu-attention/tests
-        triton_rest="$attention/test_triton_tma.py $attention/test_triton_plan_run.py
-            $attention/test_triton_context_parallel.py $attention/test_triton_hopper_prefill.py
-            $attention/test_triton_hopper_decode.py"
+        triton_rest="$attention/test_triton_plan_run.py $attention/test_triton_context_parallel.py
+            $attention/test_triton_hopper_prefill.py $attention/test_triton_hopper_decode.py"
         pytest_cuda=(python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5)
         part_log=$dest/tests_provider.log part tests_provider 560 "${pytest_cuda[@]}" \
             "$attention/test_triton_provider.py" -k "not gpu_head_sizes" &

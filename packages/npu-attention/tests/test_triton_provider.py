@@ -236,30 +236,6 @@ def test_small_case_matches_dense_reference(case: str) -> None:
     assert_matches_reference(batch, batch.run())
 
 
-def test_prefill_tiles_of_one_query_head_match_dense_reference() -> None:
-    provider = TritonProvider()
-    provider.prefill_launch = {**provider.prefill_launch, "block_m": 16, "pack_gqa": 0}
-    batch = Batch(small_spec(), [1, 20, 7], [30, 0, 9], num_decodes=1, pad_tokens=1)
-    assert_matches_reference(batch, batch.run(provider))
-
-
-@pytest.mark.parametrize(
-    ("overrides", "block_n"),
-    [({}, 16), ({"block_size": 64}, 32), ({"logits_soft_cap": 1.5, "block_size": 32}, 16)],
-    ids=["paged", "one_page_tiles", "soft_cap"],
-)
-def test_prefill_with_overlapped_scores_matches_dense_reference(
-    overrides: dict, block_n: int
-) -> None:
-    """``overlap_scores``: the next tile's scores issued before this tile's softmax."""
-    provider = TritonProvider()
-    launch = {"block_m": 16, "block_n": block_n, "overlap_scores": 1}
-    provider.prefill_launch = {**provider.prefill_launch, **launch}
-    provider.prefill_launch_small_pages = {**provider.prefill_launch_small_pages, **launch}
-    batch = Batch(small_spec(**overrides), [1, 40, 7], [70, 30, 0], num_decodes=1, pad_tokens=1)
-    assert_matches_reference(batch, batch.run(provider))
-
-
 def test_decode_with_kv_splits_matches_dense_reference() -> None:
     provider = TritonProvider()
     provider.min_tokens_per_split = 16

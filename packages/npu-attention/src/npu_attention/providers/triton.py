@@ -420,8 +420,7 @@ def _launch_config(
         block_m = max(16, 1 << (rows - 1).bit_length())
     else:
         block_m = params.get("block_m", 128) if spec.head_size <= 128 else 64
-        if params.get("pack_gqa", 1):
-            block_m = max(block_m, 1 << (queries_per_kv - 1).bit_length())
+        block_m = max(block_m, 1 << (queries_per_kv - 1).bit_length())
     num_warps = params["num_warps"] if spec.head_size <= 128 else 4
     num_stages = params["num_stages"]
     # Keep the Q tile and the pipelined K/V tiles within the shared memory of a multiprocessor.
@@ -441,10 +440,6 @@ def _launch_config(
         num_warps=num_warps,
         num_stages=num_stages,
         num_splits=num_kv_splits if decode_tiles else 1,
-        pack_gqa=decode_tiles or bool(params.get("pack_gqa", 1)),
-        tma=bool(params.get("tma", 0)),
-        warp_specialize=bool(params.get("warp_specialize", 0)),
-        overlap_scores=bool(params.get("overlap_scores", 0)),
         pdl=bool(params.get("pdl", 0)),
         prefetch_tiles=int(params.get("prefetch_tiles", 0)),
     )

@@ -39,17 +39,9 @@ _LOG2E = 1.4426950408889634
 class AttentionLaunchConfig:
     """Tile shape and launch parameters of one attention launch.
 
-    ``block_m`` query rows (tokens x packed heads) per program, ``block_n`` keys
-    per loop step; ``num_splits > 1`` splits each decode request's keys over that
-    many programs (decode tiles only). ``pack_gqa``: a program's rows are tokens times
-    the query heads of one KV head (always for decode tiles); otherwise tokens of
-    one query head. ``tma``: load K/V tiles that lie in one page through tensor
-    descriptors (the copy engine of Hopper and later GPUs; ignored where
-    ``tma_supported`` says no, and with a sliding window). ``warp_specialize``: ask the compiler to give the
-    loads of the unmasked key loop their own warps (asked only of CUDA GPUs of compute
-    capability 9 or later).
-    ``overlap_scores``: in the unmasked key loop, issue the scores of the next tile
-    before the softmax of this one, so the matrix units work during the softmax.
+    ``block_m`` query rows per program: tokens times the query heads of one KV head
+    (GQA packing); ``block_n`` keys per loop step; ``num_splits > 1`` splits each
+    decode request's keys over that many programs (decode tiles only).
     ``pdl``: programmatic dependent launch (Hopper and later; ignored where
     ``pdl_supported`` says no): each kernel of the launch may start while the kernel
     before it in the stream finishes, and waits for that kernel's memory before its
@@ -64,10 +56,6 @@ class AttentionLaunchConfig:
     num_warps: int
     num_stages: int
     num_splits: int = 1
-    pack_gqa: bool = True
-    tma: bool = False
-    warp_specialize: bool = False
-    overlap_scores: bool = False
     pdl: bool = False
     prefetch_tiles: int = 0
 
@@ -127,9 +115,6 @@ def _attend_keys(
     qk_scale,
     soft_cap,
     window,
-    k_desc,
-    v_desc,
-    kv_head,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -141,8 +126,6 @@ def _attend_keys(
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Online-softmax update over keys ``[key_positions_start, key_positions_end)``.
 
@@ -150,27 +133,18 @@ def _attend_keys(
     row (loads then carry no key mask, and no head mask when ``HEAD_SIZE`` is a
     power of two); otherwise keys ``>= valid_end`` and the causal / window masks
     apply. ``m_i`` is kept in log2 units: ``scores * qk_scale`` (``qk_scale``
-    includes log2(e)). ``TMA`` (page tiles only): unmasked tiles come through the
-    tensor descriptors ``k_desc``/``v_desc`` of the caches, boxes
-    ``[1, BLOCK_N, 1, HEAD_PAD]`` at ``(block, row in page, kv_head, 0)``; masked
-    tiles keep the pointer loads, which zero the keys past ``valid_end``.
+    includes log2(e)).
     """
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
     LOAD_MASKS: tl.constexpr = MASKED or HEAD_SIZE != HEAD_PAD
-    DESCRIPTORS: tl.constexpr = TMA and PAGE_TILES and not MASKED
-    for start_n in tl.range(
-        key_positions_start, key_positions_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE
-    ):
+    for start_n in tl.range(key_positions_start, key_positions_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:  # noqa: SIM108 (a constexpr branch, not a value choice)
             n_mask = offs_n < valid_end
         else:
             n_mask = offs_n >= 0
-        if DESCRIPTORS:
-            block = tl.load(block_table_row + start_n // BLOCK_SIZE)
-            in_page = start_n % BLOCK_SIZE
-        elif PAGE_TILES:  # each tile lies in one page
+        if PAGE_TILES:  # each tile lies in one page
             block = tl.load(block_table_row + start_n // BLOCK_SIZE).to(tl.int64)
             in_page = start_n % BLOCK_SIZE + tl.arange(0, BLOCK_N)
             k_rows = block * stride_kb + in_page * stride_kt
@@ -187,14 +161,11 @@ def _attend_keys(
             tokens = (kv_token_base + offs_n).to(tl.int64)
             k_rows = tokens * stride_kt
             v_rows = tokens * stride_vt
-        if DESCRIPTORS:
-            k = k_desc.load([block, in_page, kv_head, 0]).reshape(BLOCK_N, HEAD_PAD).T
+        k_ptrs = k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd
+        if LOAD_MASKS:
+            k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
         else:
-            k_ptrs = k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd
-            if LOAD_MASKS:
-                k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
+            k = tl.load(k_ptrs)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION)
         if USE_SOFT_CAP:  # from here on, scores are in log2 units
             scores = _softcap(scores * qk_scale, soft_cap) * 1.4426950408889634
@@ -218,141 +189,13 @@ def _attend_keys(
         p = tl.exp2(scores * score_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if DESCRIPTORS:
-            v = v_desc.load([block, in_page, kv_head, 0]).reshape(BLOCK_N, HEAD_PAD)
+        v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
+        if LOAD_MASKS:
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         else:
-            v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
-            if LOAD_MASKS:
-                v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            else:
-                v = tl.load(v_ptrs)
+            v = tl.load(v_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _key_tile(
-    k_ptr, k_desc, block_table_row, kv_token_base, start_n, kv_head,
-    stride_kb, stride_kt, stride_kd,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
-    DESCRIPTORS: tl.constexpr,
-):  # fmt: skip
-    """Keys ``[start_n, start_n + BLOCK_N)``, all in range, as ``[HEAD_PAD, BLOCK_N]``."""
-    if DESCRIPTORS:
-        block = tl.load(block_table_row + start_n // BLOCK_SIZE)
-        tile = k_desc.load([block, start_n % BLOCK_SIZE, kv_head, 0])
-        keys = tile.reshape(BLOCK_N, HEAD_PAD).T
-    else:
-        rows = _tile_rows(
-            block_table_row, kv_token_base, start_n, stride_kb, stride_kt,
-            BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
-        )  # fmt: skip
-        offs_d = tl.arange(0, HEAD_PAD)
-        ptrs = k_ptr + rows[None, :] + offs_d[:, None] * stride_kd
-        if HEAD_SIZE != HEAD_PAD:
-            keys = tl.load(ptrs, mask=(offs_d < HEAD_SIZE)[:, None], other=0.0)
-        else:
-            keys = tl.load(ptrs)
-    return keys
-
-
-@triton.jit
-def _value_tile(
-    v_ptr, v_desc, block_table_row, kv_token_base, start_n, kv_head,
-    stride_vb, stride_vt, stride_vd,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
-    DESCRIPTORS: tl.constexpr,
-):  # fmt: skip
-    """Values ``[start_n, start_n + BLOCK_N)``, all in range, as ``[BLOCK_N, HEAD_PAD]``."""
-    if DESCRIPTORS:
-        block = tl.load(block_table_row + start_n // BLOCK_SIZE)
-        tile = v_desc.load([block, start_n % BLOCK_SIZE, kv_head, 0])
-        values = tile.reshape(BLOCK_N, HEAD_PAD)
-    else:
-        rows = _tile_rows(
-            block_table_row, kv_token_base, start_n, stride_vb, stride_vt,
-            BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
-        )  # fmt: skip
-        offs_d = tl.arange(0, HEAD_PAD)
-        ptrs = v_ptr + rows[:, None] + offs_d[None, :] * stride_vd
-        if HEAD_SIZE != HEAD_PAD:
-            values = tl.load(ptrs, mask=(offs_d < HEAD_SIZE)[None, :], other=0.0)
-        else:
-            values = tl.load(ptrs)
-    return values
-
-
-@triton.jit
-def _tile_rows(
-    block_table_row, kv_token_base, start_n, stride_b, stride_t,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_TILES: tl.constexpr,
-):  # fmt: skip
-    """Element offsets ``[BLOCK_N]`` of key rows ``start_n..`` in a cache of strides
-    ``(stride_b, stride_t)`` for (block, row in block)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    if PAGE_TILES:  # the tile lies in one page
-        block = tl.load(block_table_row + start_n // BLOCK_SIZE).to(tl.int64)
-        rows = block * stride_b + (start_n % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_t
-    elif PAGED:
-        blocks = tl.load(block_table_row + offs_n // BLOCK_SIZE).to(tl.int64)
-        rows = blocks * stride_b + (offs_n % BLOCK_SIZE) * stride_t
-    else:
-        rows = (kv_token_base + offs_n).to(tl.int64) * stride_t
-    return rows
-
-
-@triton.jit
-def _attend_full_tiles_overlapped(
-    acc, l_i, m_i, q, k_ptr, v_ptr, block_table_row, kv_token_base,
-    key_positions_start, key_positions_end,
-    stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-    qk_scale, soft_cap, k_desc, v_desc, kv_head,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-):  # fmt: skip
-    """``_attend_keys`` over fully visible tiles, the scores of tile ``j + 1`` issued
-    before the softmax of tile ``j``: the matrix units compute while the softmax runs.
-    The last step computes its own tile's scores once more (never past the range)."""
-    DESCRIPTORS: tl.constexpr = TMA and PAGE_TILES
-    if key_positions_start < key_positions_end:
-        keys = _key_tile(
-            k_ptr, k_desc, block_table_row, kv_token_base, key_positions_start, kv_head,
-            stride_kb, stride_kt, stride_kd,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, DESCRIPTORS,
-        )  # fmt: skip
-        scores = tl.dot(q, keys, input_precision=DOT_PRECISION)
-        last = key_positions_end - BLOCK_N
-        for start_n in range(key_positions_start, key_positions_end, BLOCK_N):
-            next_keys = _key_tile(
-                k_ptr, k_desc, block_table_row, kv_token_base,
-                tl.minimum(start_n + BLOCK_N, last), kv_head, stride_kb, stride_kt, stride_kd,
-                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, DESCRIPTORS,
-            )  # fmt: skip
-            next_scores = tl.dot(q, next_keys, input_precision=DOT_PRECISION)
-            if USE_SOFT_CAP:  # from here on, scores are in log2 units
-                scores = _softcap(scores * qk_scale, soft_cap) * 1.4426950408889634
-                score_scale = 1.0
-            else:
-                score_scale = qk_scale
-            m_new = tl.maximum(m_i, tl.max(scores, 1) * score_scale)
-            p = tl.exp2(scores * score_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            values = _value_tile(
-                v_ptr, v_desc, block_table_row, kv_token_base, start_n, kv_head,
-                stride_vb, stride_vt, stride_vd,
-                HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, DESCRIPTORS,
-            )  # fmt: skip
-            acc = tl.dot(
-                p.to(values.dtype), values, acc * alpha[:, None], input_precision=DOT_PRECISION
-            )
-            m_i = m_new
-            scores = next_scores
     return acc, l_i, m_i
 
 
@@ -429,11 +272,8 @@ def _paged_attention_kernel(
     qk_scale,
     soft_cap,
     window,
-    k_desc,
-    v_desc,
     NUM_HEADS: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
-    ROWS_PER_TOKEN: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -449,9 +289,6 @@ def _paged_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     REQS_PAD: tl.constexpr,
-    TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    OVERLAP_SCORES: tl.constexpr,
     PDL: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     PREFETCH_KEYS: tl.constexpr,
@@ -460,8 +297,7 @@ def _paged_attention_kernel(
     if PDL:  # launched early: wait for the kernel before this one, let the next one start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    head_group = tl.program_id(1)  # ROWS_PER_TOKEN query heads of one KV head
-    kv_head = head_group // (QUERIES_PER_KV // ROWS_PER_TOKEN)
+    kv_head = tl.program_id(1)  # rows: tokens x the query heads of this KV head
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     if DECODE_TILES:
@@ -493,9 +329,9 @@ def _paged_attention_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    token_in_req = q_tile * BLOCK_Q + offs_m // ROWS_PER_TOKEN
-    head = head_group * ROWS_PER_TOKEN + offs_m % ROWS_PER_TOKEN
-    row_mask = (offs_m < BLOCK_Q * ROWS_PER_TOKEN) & (token_in_req < q_len)
+    token_in_req = q_tile * BLOCK_Q + offs_m // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    row_mask = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (token_in_req < q_len)
     token = (q_start + token_in_req).to(tl.int64)
     query_pos = context_len + token_in_req
     q = tl.load(
@@ -532,28 +368,17 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if OVERLAP_SCORES:
-        acc, l_i, m_i = _attend_full_tiles_overlapped(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            qk_scale, soft_cap, k_desc, v_desc, kv_head,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
-            USE_SOFT_CAP, DOT_PRECISION, TMA,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = _attend_keys(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
-            query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            qk_scale, soft_cap, window, k_desc, v_desc, kv_head,
-            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, False,
-            CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, TMA, WARP_SPECIALIZE,
-        )  # fmt: skip
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
+        query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        qk_scale, soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
+        False, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
+    )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window, k_desc, v_desc, kv_head,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES, True,
-        CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, TMA, False,
+        qk_scale, soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
+        True, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key seen: l_i = 0, acc = 0
@@ -675,9 +500,7 @@ def paged_attention(
     num_kv_heads = key_cache.shape[-2]
     queries_per_kv = num_heads // num_kv_heads
     head_pad = max(16, next_power_of_2(head_size))
-    rows_per_token = queries_per_kv if config.pack_gqa or decode_tiles else 1
-    block_q = config.block_m // rows_per_token
-    head_groups = num_heads // rows_per_token
+    block_q = config.block_m // queries_per_kv
     num_splits = config.num_splits if decode_tiles else 1
     if paged:
         block_size = key_cache.shape[1]
@@ -689,17 +512,10 @@ def paged_attention(
         v_strides = (0, *value_cache.stride())
         block_tables, stride_bt = seq_lens, 0
     if decode_tiles:
-        grid = (num_reqs, head_groups, num_splits)
+        grid = (num_reqs, num_kv_heads, num_splits)
     else:
-        grid = (num_tokens // block_q + num_reqs, head_groups, 1)
+        grid = (num_tokens // block_q + num_reqs, num_kv_heads, 1)
     page_tiles = paged and block_size % config.block_n == 0
-    k_desc = v_desc = None
-    # With a sliding window, ptxas (Triton 3.6's, sm_90a) crashes compiling the
-    # descriptor loads: windowed attention keeps the portable loads.
-    tma = config.tma and sliding_window is None
-    if tma and page_tiles and tma_supported(key_cache) and tma_supported(value_cache):
-        k_desc = _page_tile_descriptor(key_cache, config.block_n, head_pad)
-        v_desc = _page_tile_descriptor(value_cache, config.block_n, head_pad)
     split = num_splits > 1
     partial_out, partial_lse = split_buffers(out, num_splits, head_pad) if split else (out, out)
     use_pdl = config.pdl and pdl_supported(query.device)
@@ -734,11 +550,8 @@ def paged_attention(
         qk_scale,
         float(logits_soft_cap or 1.0),
         int(sliding_window or 0),
-        k_desc,
-        v_desc,
         NUM_HEADS=num_heads,
         QUERIES_PER_KV=queries_per_kv,
-        ROWS_PER_TOKEN=rows_per_token,
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
@@ -754,9 +567,6 @@ def paged_attention(
         USE_SOFT_CAP=use_soft_cap,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         REQS_PAD=0 if decode_tiles else _request_lookup_width(num_reqs),
-        TMA=k_desc is not None,
-        WARP_SPECIALIZE=config.warp_specialize and _hopper_or_later(query.device),
-        OVERLAP_SCORES=config.overlap_scores,
         PDL=use_pdl,
         WRITE_LSE=write_lse and not split,
         PREFETCH_KEYS=prefetch_keys,
@@ -827,23 +637,9 @@ def merge_splits(
     )
 
 
-def tma_supported(cache: torch.Tensor) -> bool:
-    """Whether ``cache`` ``[num_blocks, block_size, kv_heads, head_size]`` can be read
-    through a tensor descriptor: on a CUDA GPU of compute capability 9 or later, with
-    a layout ``descriptor_layout_ok`` accepts."""
-    if cache.device.type != "cuda" or _compute_capability(cache.device.index or 0)[0] < 9:
-        return False
-    return descriptor_layout_ok(cache)
-
-
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can use programmatic dependent launch: a CUDA GPU
     of compute capability 9 or later (not the interpreter, not other backends)."""
-    return _hopper_or_later(device)
-
-
-def _hopper_or_later(device: torch.device) -> bool:
-    """A CUDA GPU of compute capability 9 or later."""
     return device.type == "cuda" and _compute_capability(device.index or 0)[0] >= 9
 
 
@@ -851,29 +647,6 @@ def _pdl_launch(enabled: bool) -> dict[str, bool]:
     """The launch option of programmatic dependent launch, only where it is used (other
     backends and the interpreter may not know it)."""
     return {"launch_pdl": True} if enabled else {}
-
-
-def descriptor_layout_ok(cache: torch.Tensor) -> bool:
-    """A 4-D cache of a 16-bit dtype with contiguous rows, a 16-byte aligned base and
-    16-byte multiples as the other strides (what a tensor descriptor requires)."""
-    if cache.element_size() != 2 or cache.dim() != 4:
-        return False
-    strides = cache.stride()
-    return (
-        strides[-1] == 1
-        and cache.data_ptr() % 16 == 0
-        and all(stride * 2 % 16 == 0 for stride in strides[:-1])
-    )
-
-
-def _page_tile_descriptor(cache: torch.Tensor, block_n: int, head_pad: int):
-    """Descriptor of ``cache`` whose boxes are one page tile of one KV head:
-    ``[1, block_n, 1, head_pad]`` (lanes past ``head_size`` read as zeros)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(
-        cache, list(cache.shape), list(cache.stride()), [1, block_n, 1, head_pad]
-    )
 
 
 def _request_lookup_width(num_reqs: int) -> int:
