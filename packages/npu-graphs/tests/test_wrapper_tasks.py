@@ -93,7 +93,7 @@ def test_every_update_reissues_and_a_replay_runs_the_last(backend, device):
 
 
 def test_baked_values_compare_by_value_inside_nested_values():
-    from npu_graphs.tasks import _baked_copy, _same_value
+    from npu_graphs.graph_tasks import baked_copy, same_value
 
     step = {
         "seq_lens": [3, 1],
@@ -107,17 +107,17 @@ def test_baked_values_compare_by_value_inside_nested_values():
         "flag": True,
         "lens": torch.tensor([3, 1]),
     }
-    baked = {name: _baked_copy(value) for name, value in step.items()}
-    assert all(_same_value(baked[name], value) for name, value in same.items())
+    baked = {name: baked_copy(value) for name, value in step.items()}
+    assert all(same_value(baked[name], value) for name, value in same.items())
     for name, value in [
         ("seq_lens", [3, 2]),
         ("block_table", [[1, 2], [3, 5]]),
         ("flag", False),
         ("lens", torch.tensor([3, 2])),
     ]:
-        assert not _same_value(baked[name], value), name
+        assert not same_value(baked[name], value), name
     step["block_table"][1][1] = 9  # mutated in place after the capture
-    assert not _same_value(baked["block_table"], step["block_table"])
+    assert not same_value(baked["block_table"], step["block_table"])
 
 
 def test_piecewise_wrappers_inside_full_capture_run_eagerly(backend, device):

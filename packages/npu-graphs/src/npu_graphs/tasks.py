@@ -5,8 +5,9 @@ A task is ``fn(*args, **kwargs, **derive(step))``: ``args``/``kwargs`` are stati
 (sequence lengths, block tables ...) from one step object shared by every task of the
 step, or, for a task recorded with a ``name``, from the step's entry of that name (one
 step object per layer, say: ``update(key, {name: step})``). Inside a capture the call
-is recorded under the graph's key; outside one it just runs. Once per step, before replay, ``registry.update(key, step)`` brings every task of
-that key's graphs to the new step:
+is recorded under the graph's key; outside one it just runs. Once per step, before
+replay, ``registry.update(key, step)`` brings every task of that key's graphs to the
+new step:
 
 * host values (ints, lists, host tensors) are re-issued through the backend's task
   update (NPU task groups; host graphs). CUDA graphs cannot do that: a task meant for
@@ -16,83 +17,20 @@ that key's graphs to the new step:
   registry keeps them alive and each update copies the new step's tensors into them
   (tasks handed the same tensor share one buffer and one copy; a step that passes the
   buffer itself costs no copy).
+
+During a capture the tasks go to a :class:`TaskRecording`, which the capturing
+wrapper commits to each registry when the capture succeeds.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Hashable, Mapping
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
-import torch
-
-from npu_graphs.backends.base import GraphBackend
-from npu_graphs.errors import GraphCaptureError, TaskUpdateError
+from npu_graphs.errors import GraphCaptureError
+from npu_graphs.graph_tasks import Derive, GraphTasks, UpdatableTask, baked_copy, step_kwargs
 from npu_graphs.session import CaptureSession, active_session
-
-Derive = Callable[[Any], Mapping[str, Any]]
-
-
-@dataclasses.dataclass
-class UpdatableTask:
-    """One captured task: the op, its static arguments, and how its step arguments are fed."""
-
-    fn: Callable[..., Any]
-    args: tuple | None  # None: recorded whole by its backend, updated by host values only
-    kwargs: dict[str, Any] | None
-    derive: Derive | None
-    handle: Any  # backend task-group handle; None when the task has no host step values
-    host_names: tuple[str, ...]
-    buffers: dict[str, torch.Tensor]
-    baked: dict[str, Any]  # host values as captured, where the backend cannot update them
-    name: str | None = None  # the task takes step[name] of each update's step
-
-    def step_kwargs(self, step: Any) -> Mapping[str, Any]:
-        if self.name is not None:
-            if not isinstance(step, Mapping) or self.name not in step:
-                got = sorted(step)[:4] if isinstance(step, Mapping) else type(step).__name__
-                raise TaskUpdateError(
-                    f"task {self.name!r} takes the step's entry {self.name!r}, but the step "
-                    f"has none (got {got})"
-                )
-            step = step[self.name]
-        return _derive(self.derive, step)
-
-    def issue(self, host_values: Mapping[str, Any]) -> TaskIssue:
-        """A callable that re-issues the op with ``host_values`` and the fixed buffers."""
-        return TaskIssue(self, host_values)
-
-
-class TaskIssue:
-    """Re-issues one task with new host values when called (inside a backend's task update).
-
-    ``host_values`` is exposed too, for backends that record tasks whole and swap their
-    host arguments instead of re-issuing them (``records_tasks_whole``: host graphs).
-    """
-
-    __slots__ = ("host_values", "task")
-
-    def __init__(self, task: UpdatableTask, host_values: Mapping[str, Any]) -> None:
-        self.task, self.host_values = task, host_values
-
-    def __call__(self) -> object:
-        task = self.task
-        if task.args is None:
-            raise RuntimeError(
-                "this task was recorded whole: its backend updates it through host_values "
-                "and never re-issues it"
-            )
-        return task.fn(*task.args, **task.kwargs, **self.host_values, **task.buffers)
-
-
-@dataclasses.dataclass
-class _GraphTasks:
-    """The tasks of one captured graph; ``armed`` once updated or released for a replay."""
-
-    backend: GraphBackend
-    graph: Any
-    tasks: list[UpdatableTask]
-    armed: bool = False
 
 
 class TaskRegistry:
@@ -110,10 +48,9 @@ class TaskRegistry:
         ):
             raise ValueError(f"expected_tasks must be an int >= 0 or None, got {expected_tasks!r}")
         self.name = name
-        self._label = f"task registry {name!r}"
+        self.label = f"task registry {name!r}"
         self.expected_tasks = expected_tasks
-        self._graphs: dict[Hashable, list[_GraphTasks]] = {}
-        self._capturing: dict[int, tuple[Hashable, _GraphTasks]] = {}
+        self._graphs: dict[Hashable, list[GraphTasks]] = {}
 
     # -- recording ------------------------------------------------------------------
     def call(
@@ -131,82 +68,33 @@ class TaskRegistry:
         it runs once per task per update. With ``name``, ``step`` is this task's own and
         each update hands the task ``step[name]`` of the step it is given (tasks may
         share a name: the ops of one layer, say).
+
+        Raises:
+            TypeError: ``fn`` is not callable, ``derive(step)`` is not a Mapping, or a
+                name is given both as a static and as a step argument.
+            GraphCaptureError: a task called inside another task's ``fn`` during a capture.
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        session = active_session()
-        if session is None:
-            return fn(*args, **kwargs, **_derive(derive, step))
-        return self._record(session, fn, args, kwargs, step, derive, name)
+        recording = active_recording()
+        if recording is None:
+            return fn(*args, **kwargs, **step_kwargs(derive, step))
+        return recording.record(self, fn, args, kwargs, step_kwargs(derive, step), derive, name)
 
-    def _record(
-        self,
-        session: CaptureSession,
-        fn: Callable[..., Any],
-        args: tuple,
-        kwargs: dict,
-        step: Any,
-        derive: Derive | None,
-        name: str | None,
-    ) -> Any:
-        if session.in_task:
-            raise GraphCaptureError(f"{self._label}: updatable tasks cannot nest")
-        backend = session.backend
-        step_kwargs = _derive(derive, step)
-        overlap = step_kwargs.keys() & kwargs.keys()
-        if overlap:
-            raise TypeError(
-                f"{self._label}: {sorted(overlap)} given both as static and step arguments"
-            )
-        host = {k: v for k, v in step_kwargs.items() if not backend.is_device_tensor(v)}
-        buffers = {
-            k: session.buffer_for(v) for k, v in step_kwargs.items() if backend.is_device_tensor(v)
-        }
-        grouped = bool(host) and backend.supports_task_update
-        session.in_task = True
-        try:
-            result, handle = _issue_recorded(
-                session, fn, args, {**kwargs, **buffers}, host, grouped
-            )
-        finally:
-            session.in_task = False
-        baked = {} if grouped else {k: _baked_copy(v) for k, v in host.items()}
-        # A backend that records tasks whole updates them by their host values alone:
-        # keeping the capture-time arguments would keep the capture's activations alive.
-        if backend.records_tasks_whole and grouped:
-            args, kwargs = None, None
-        task = UpdatableTask(
-            fn, args, None if kwargs is None else dict(kwargs), derive, handle, tuple(host),
-            buffers, baked, name,
-        )  # fmt: skip
-        self._pending_graph(session).tasks.append(task)
-        return result
+    def commit_capture(self, session: CaptureSession, tasks: list[UpdatableTask]) -> None:
+        """Keep ``tasks``, recorded by the capture ``session``, under its key.
 
-    def _pending_graph(self, session: CaptureSession) -> _GraphTasks:
-        entry = self._capturing.get(id(session))
-        if entry is None:
-            session.join(self)
-            graph_tasks = _GraphTasks(session.backend, session.graph, [])
-            entry = self._capturing[id(session)] = (session.key, graph_tasks)
-        return entry[1]
-
-    # -- commit / discard (called by the capturing wrapper) ----------------------------
-    def commit_capture(self, session: CaptureSession) -> None:
-        """Register what ``session`` recorded here; raises if the task count is wrong."""
-        key, graph_tasks = self._capturing.pop(id(session), (session.key, None))
-        count = len(graph_tasks.tasks) if graph_tasks else 0
-        if self.expected_tasks is not None and count != self.expected_tasks:
+        Raises:
+            GraphCaptureError: their count is not ``expected_tasks``.
+        """
+        if self.expected_tasks is not None and len(tasks) != self.expected_tasks:
             raise GraphCaptureError(
-                f"{self._label}: capture of {session.describe()} recorded {count} tasks, "
+                f"{self.label}: capture of {session.describe()} recorded {len(tasks)} tasks, "
                 f"expected {self.expected_tasks}"
             )
-        if graph_tasks is None:
-            return
-        self._graphs.setdefault(key, []).append(graph_tasks)
-
-    def abort_capture(self, session: CaptureSession) -> None:
-        """Forget whatever ``session`` recorded here."""
-        self._capturing.pop(id(session), None)
+        if tasks:
+            graph_tasks = GraphTasks(session.backend, session.graph, tasks, self.label)
+            self._graphs.setdefault(session.key, []).append(graph_tasks)
 
     def discard(self, key: Hashable, graph: Any = None) -> None:
         """Forget the tasks of ``key`` (of one ``graph`` only, if given)."""
@@ -231,74 +119,23 @@ class TaskRegistry:
         session = active_session()
         if session is not None:
             raise GraphCaptureError(
-                f"{self._label}: update({key!r}) during the capture of {session.describe()}"
+                f"{self.label}: update({key!r}) during the capture of {session.describe()}"
             )
         graphs = self._graphs.get(key)
         if graphs is None:
             raise ValueError(
-                f"{self._label}: no graph captured for key {key!r}; captured keys: "
+                f"{self.label}: no graph captured for key {key!r}; captured keys: "
                 f"{sorted(map(repr, self._graphs))}"
             )
         for graph_tasks in graphs:
-            self._update_graph(graph_tasks, step)
-
-    def _update_graph(self, graph_tasks: _GraphTasks, step: Any) -> None:
-        copied: set[int] = set()
-        updates = []
-        for index, task in enumerate(graph_tasks.tasks):
-            step_kwargs = task.step_kwargs(step)
-            self._copy_buffers(index, task, step_kwargs, copied)
-            host = {name: step_kwargs[name] for name in task.host_names}
-            if task.handle is not None:
-                updates.append((task.handle, task.issue(host)))
-            else:
-                self._check_baked(index, task, host)
-        if updates:
-            graph_tasks.backend.update_tasks(graph_tasks.graph, updates)
-        graph_tasks.armed = True
-
-    def _copy_buffers(
-        self, index: int, task: UpdatableTask, step_kwargs: Mapping[str, Any], copied: set[int]
-    ) -> None:
-        for name, buffer in task.buffers.items():
-            if id(buffer) in copied:
-                continue
-            value = step_kwargs.get(name)
-            if not isinstance(value, torch.Tensor) or value.shape != buffer.shape:
-                got = (
-                    tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                )
-                raise TaskUpdateError(
-                    f"{self._label}: task {index} step argument {name!r} must be a tensor of shape "
-                    f"{tuple(buffer.shape)} (its fixed buffer), got {got}"
-                )
-            if value.data_ptr() != buffer.data_ptr():
-                buffer.copy_(value, non_blocking=True)
-            copied.add(id(buffer))
-
-    def _check_baked(self, index: int, task: UpdatableTask, host: Mapping[str, Any]) -> None:
-        for name, value in host.items():
-            if not _same_value(task.baked[name], value):
-                raise TaskUpdateError(
-                    f"{self._label}: task {index} step argument {name!r} is a host value baked "
-                    "into the graph, and this backend cannot update it; pass it as a device "
-                    "tensor (kept in a fixed buffer)"
-                )
-
-    def _release(self, graph_tasks: _GraphTasks) -> None:
-        if graph_tasks.armed:
-            return
-        handles = [(t.handle, None) for t in graph_tasks.tasks if t.handle is not None]
-        if handles:
-            graph_tasks.backend.update_tasks(graph_tasks.graph, handles)
-        graph_tasks.armed = True
+            graph_tasks.update(step)
 
     # -- replay hooks (called by the wrapper around each replay) -------------------------
     def prepare_replay(self, key: Hashable, graph: Any) -> None:
         """Make the tasks of ``graph`` ready: release them if they were not updated."""
         for graph_tasks in self._graphs.get(key, ()):
             if graph_tasks.graph is graph:
-                self._release(graph_tasks)
+                graph_tasks.release()
 
     def finish_replay(self, key: Hashable, graph: Any) -> None:
         """Mark the tasks of ``graph`` as consumed by a replay."""
@@ -325,6 +162,106 @@ class TaskRegistry:
         return f"TaskRegistry({self.name!r}, keys={len(self._graphs)})"
 
 
+class TaskRecording:
+    """The updatable tasks one capture records, in every registry its callable reaches.
+
+    The capturing wrapper makes one per capture, makes it ``active()`` while the
+    capture runs, then ``commit()``s it (each registry keeps its tasks under the
+    capture's key) or ``discard()``s it, as a whole.
+
+    Args:
+        session: the capture.
+        default: the registry that :func:`call_task` records into (the wrapper's).
+    """
+
+    def __init__(self, session: CaptureSession, default: TaskRegistry | None = None) -> None:
+        self.session = session
+        self.default = default
+        self._recorded: dict[int, tuple[TaskRegistry, list[UpdatableTask]]] = {}
+        self._in_task = False
+
+    @property
+    def registries(self) -> tuple[TaskRegistry, ...]:
+        """The registries that recorded tasks in this capture, in order of first task."""
+        return tuple(registry for registry, _ in self._recorded.values())
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[TaskRecording]:
+        """Record the tasks called in the enclosed block (inside the capture)."""
+        global _ACTIVE
+        assert _ACTIVE is None, "one capture at a time (capture_session enforces it)"
+        _ACTIVE = self
+        try:
+            yield self
+        finally:
+            _ACTIVE = None
+
+    def record(
+        self,
+        registry: TaskRegistry,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict[str, Any],
+        step_values: Mapping[str, Any],
+        derive: Derive | None,
+        name: str | None = None,
+    ) -> Any:
+        """Issue ``fn(*args, **kwargs, **step_values)`` into the capture as a task of
+        ``registry``; returns its result."""
+        if self._in_task:
+            raise GraphCaptureError(f"{registry.label}: updatable tasks cannot nest")
+        overlap = step_values.keys() & kwargs.keys()
+        if overlap:
+            raise TypeError(
+                f"{registry.label}: {sorted(overlap)} given both as static and step arguments"
+            )
+        backend = self.session.backend
+        host = {k: v for k, v in step_values.items() if not backend.is_device_tensor(v)}
+        buffers = {k: v for k, v in step_values.items() if backend.is_device_tensor(v)}
+        grouped = bool(host) and backend.supports_task_update
+        self._in_task = True
+        try:
+            result, handle = _issue(self.session, fn, args, {**kwargs, **buffers}, host, grouped)
+        finally:
+            self._in_task = False
+        baked = {} if grouped else {k: baked_copy(v) for k, v in host.items()}
+        # A backend that records tasks whole updates them by their host values alone:
+        # keeping the capture-time arguments would keep the capture's activations alive.
+        whole = backend.records_tasks_whole and grouped
+        task = UpdatableTask(
+            fn, None if whole else args, None if whole else dict(kwargs), derive, handle,
+            tuple(host), buffers, baked, name,
+        )  # fmt: skip
+        self._recorded.setdefault(id(registry), (registry, []))[1].append(task)
+        return result
+
+    def commit(self) -> None:
+        """Hand each registry the tasks it recorded (the default registry's count is
+        checked even when it recorded none).
+
+        Raises:
+            GraphCaptureError: a registry's task count is not its ``expected_tasks``.
+        """
+        recorded = dict(self._recorded)
+        if self.default is not None:
+            recorded.setdefault(id(self.default), (self.default, []))
+        for registry, tasks in recorded.values():
+            registry.commit_capture(self.session, tasks)
+
+    def discard(self) -> None:
+        """Forget every task of this capture, in registries that already kept them too."""
+        for registry in self.registries:
+            registry.discard(self.session.key, self.session.graph)
+
+
+_ACTIVE: TaskRecording | None = None
+
+
+def active_recording() -> TaskRecording | None:
+    """The task recording of the capture under way, or None."""
+    return _ACTIVE
+
+
 def call_task(
     fn: Callable[..., Any],
     *args: Any,
@@ -342,18 +279,18 @@ def call_task(
         GraphCaptureError: inside a capture whose wrapper has no registry (the step
             arguments would be baked in silently).
     """
-    session = active_session()
-    if session is None:
-        return fn(*args, **kwargs, **_derive(derive, step))
-    if session.default_registry is None:
+    recording = active_recording()
+    if recording is None:
+        return fn(*args, **kwargs, **step_kwargs(derive, step))
+    if recording.default is None:
         raise GraphCaptureError(
-            f"call_task inside the capture of {session.describe()}, whose wrapper has no "
-            "TaskRegistry: its step arguments would be baked into the graph"
+            f"call_task inside the capture of {recording.session.describe()}, whose wrapper "
+            "has no TaskRegistry: its step arguments would be baked into the graph"
         )
-    return session.default_registry.call(fn, *args, step=step, derive=derive, name=name, **kwargs)
+    return recording.default.call(fn, *args, step=step, derive=derive, name=name, **kwargs)
 
 
-def _issue_recorded(
+def _issue(
     session: CaptureSession,
     fn: Callable[..., Any],
     args: tuple,
@@ -371,44 +308,3 @@ def _issue_recorded(
     token = backend.task_group_begin(graph, stream)
     result = fn(*args, **kwargs, **host)
     return result, backend.task_group_end(graph, stream, token)
-
-
-def _derive(derive: Derive | None, step: Any) -> Mapping[str, Any]:
-    step_kwargs = step if derive is None else derive(step)
-    if not isinstance(step_kwargs, Mapping):
-        source = "step" if derive is None else "derive(step)"
-        got = type(step_kwargs).__name__
-        raise TypeError(f"{source} must be a Mapping of step keyword arguments, got {got}")
-    return step_kwargs
-
-
-def _baked_copy(value: Any) -> Any:
-    """A host step value as the capture baked it: host tensors and lists copied (callers
-    refill theirs in place), other values kept as given."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if type(value) in (list, tuple):
-        return type(value)(map(_baked_copy, value))
-    return value
-
-
-def _same_value(baked: Any, value: Any) -> bool:
-    """Whether ``value`` equals the ``baked`` one: tensors by dtype, shape and values,
-    lists and tuples item by item, anything else by ``==``."""
-    if isinstance(baked, torch.Tensor) or isinstance(value, torch.Tensor):
-        return (
-            isinstance(baked, torch.Tensor)
-            and isinstance(value, torch.Tensor)
-            and (baked.dtype, baked.shape, baked.device) == (value.dtype, value.shape, value.device)
-            and torch.equal(baked, value)
-        )
-    if type(baked) in (list, tuple):
-        return (
-            type(value) is type(baked)
-            and len(value) == len(baked)
-            and all(map(_same_value, baked, value))
-        )
-    try:
-        return type(value) is type(baked) and bool(value == baked)
-    except (RuntimeError, ValueError):  # it holds tensors or arrays: == is elementwise
-        return False

@@ -17,7 +17,7 @@ from npu_graphs.backends import GraphBackend, get_backend
 from npu_graphs.errors import GraphCaptureError
 from npu_graphs.modes import RuntimeMode, current_dispatch
 from npu_graphs.session import CaptureSession, active_session, capture_session
-from npu_graphs.tasks import TaskRegistry
+from npu_graphs.tasks import TaskRecording, TaskRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -153,21 +153,15 @@ class GraphWrapper:
         if key in self._entries:
             raise ValueError(f"{self.name}: key {key!r} is already captured; reset() it first")
         graph = self.backend.new_graph()
-        session = CaptureSession(
-            self.backend, graph, key, self.mode, self.stream, self.name, self.tasks
-        )
+        session = CaptureSession(self.backend, graph, key, self.mode, self.stream, self.name)
+        recording = TaskRecording(session, self.tasks)
         try:
             for _ in range(self.backend.warmup_runs):
                 self.runnable(*args, **kwargs)
-            outputs = self._run_capture(session, args, kwargs)
-            for registry in session.registries:
-                registry.commit_capture(session)
-            if self.tasks is not None and all(r is not self.tasks for r in session.registries):
-                self.tasks.commit_capture(session)  # checks expected_tasks for an empty capture
+            outputs = self._run_capture(recording, args, kwargs)
+            recording.commit()
         except Exception as exc:
-            for registry in session.registries:
-                registry.abort_capture(session)
-                registry.discard(key, graph)
+            recording.discard()
             raise GraphCaptureError(
                 f"capture of {self.name} for key {key!r} in mode {self.mode.name} failed: "
                 f"{type(exc).__name__}: {exc}"
@@ -175,17 +169,18 @@ class GraphWrapper:
         self.backend.finish_capture(graph, outputs, _tensors(args, kwargs))
         if self.backend.weak_ref_outputs:
             outputs = tree_map(_weak(self.backend), outputs)
-        entry = GraphEntry(key, graph, outputs, _addresses(args, kwargs), tuple(session.registries))
+        entry = GraphEntry(key, graph, outputs, _addresses(args, kwargs), recording.registries)
         self._entries[key] = entry
         logger.debug("captured %s for key %r (%s)", self.name, key, self.mode.name)
         return entry
 
-    def _run_capture(self, session: CaptureSession, args: tuple, kwargs: dict) -> Any:
+    def _run_capture(self, recording: TaskRecording, args: tuple, kwargs: dict) -> Any:
         with contextlib.ExitStack() as stack:
             stack.enter_context(capture_quietly(self.backend))
-            stack.enter_context(capture_session(session))
+            stack.enter_context(capture_session(recording.session))
+            stack.enter_context(recording.active())
             stack.enter_context(
-                self.backend.capture(session.graph, pool=self.pool, stream=self.stream)
+                self.backend.capture(recording.session.graph, pool=self.pool, stream=self.stream)
             )
             return self.runnable(*args, **kwargs)
 

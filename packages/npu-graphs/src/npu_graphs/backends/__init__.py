@@ -10,6 +10,9 @@ from collections.abc import Callable
 import torch
 
 from npu_graphs.backends.base import GraphBackend, TaskUpdate
+from npu_graphs.backends.cuda import CudaGraphBackend
+from npu_graphs.backends.host import HostGraphBackend
+from npu_graphs.backends.npu import NpuGraphBackend
 
 _FACTORIES: dict[str, Callable[[], GraphBackend]] = {}
 _INSTANCES: dict[str, GraphBackend] = {}
@@ -87,26 +90,8 @@ def _default_backend_name() -> str:
     return "cuda" if torch.cuda.is_available() else "host"
 
 
-def _host() -> GraphBackend:
-    from npu_graphs.backends.host import HostGraphBackend
-
-    return HostGraphBackend()
-
-
-def _cuda() -> GraphBackend:
-    from npu_graphs.backends.cuda import CudaGraphBackend
-
-    return CudaGraphBackend()
-
-
-def _npu() -> GraphBackend:
-    from npu_graphs.backends.npu import NpuGraphBackend
-
-    return NpuGraphBackend()
-
-
-register_backend("host", _host)
-register_backend("cuda", _cuda)
-register_backend("npu", _npu)
+register_backend("host", HostGraphBackend)
+register_backend("cuda", CudaGraphBackend)
+register_backend("npu", NpuGraphBackend)
 
 __all__ = ["GraphBackend", "TaskUpdate", "available_backends", "get_backend", "register_backend"]
