@@ -14,6 +14,11 @@ manager captures ``forward`` for every planned size, then per step picks the mod
     manager = FullGraphManager(forward, plan, backend="cuda", tasks=registry)
     manager.capture()
     out = manager.run(num_tokens, uniform_decode=True, step=step)  # update + replay
+
+Not used by the bridge yet; vLLM's model runner chooses the mode and batch key per
+step itself, and the bridge wraps the model in :class:`~npu_graphs.GraphWrapper`
+directly. The manager is for engines without such a dispatcher (tested on the host
+backend and on CUDA).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class StepDispatch:
 
 class FullGraphManager:
     """Captures and runs a model's forward as full (or piecewise) graphs per batch size.
+
+    Not used by the bridge yet (see the module docstring).
 
     Args:
         forward: ``forward(batch: BatchDescriptor) -> Tensor | tuple[Tensor, ...]``; reads

@@ -10,6 +10,9 @@ captured as one graph per (batch key, split) and replayed after. Without a split
 
 On the host backend the streams are stand-ins and the threads still take turns, so
 the recorded op order is the overlapped one; on CUDA (and NPU) the streams are real.
+
+Not used by the bridge yet; vLLM's micro-batch overlap (DBO, its ``UBatchWrapper``)
+is not wired to it. Tested on the host backend and on CUDA.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class _Turns:
 
 class MicroBatchRunner:
     """Run ``runnable(inputs, ctx)`` over micro-batches with overlap, as one graph per split.
+
+    Not used by the bridge yet (see the module docstring).
 
     Args:
         runnable: ``runnable(inputs, ctx: MicroBatchContext) -> Tensor | tuple[Tensor, ...]``;
