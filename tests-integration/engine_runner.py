@@ -9,7 +9,7 @@ leaves vLLM on its own CPU platform (CPU_ATTN).
 SPEC: {"model": path, "engine": {LLM kwargs} (or "engines": [{LLM kwargs}, ...], run one
 after the other in this process), "rounds": [[{"prompt": [ids],
 "max_tokens": n, "stop_token_ids": [ids] (optional: without it, exactly max_tokens
-tokens)}, ...], ...], "host_platform": {HostPlatform attribute: value}}. Each round is one ``generate`` call; later rounds
+tokens)}, ...], ...], "host_platform": {BridgeSettings field: value}}. Each round is one ``generate`` call; later rounds
 reuse the prefix cache of earlier ones. Output line: ``RESULT {"tokens": [[...]
 per round], "cached_tokens": [[prefix-cache hits per prompt] per round], "counters": {...}, "states": {...}, "backend": name}``
 (with several ranks also ``"rank_counters"``: each worker's counters and OpenMP binding) or
@@ -19,6 +19,7 @@ per round], "cached_tokens": [[prefix-cache hits per prompt] per round], "counte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -66,8 +67,10 @@ def main() -> None:
     if bridge:
         from npu_vllm_bridge.platforms.host import HostPlatform
 
-        for name, value in spec.get("host_platform", {}).items():
-            setattr(HostPlatform, name, value)
+        overrides = spec.get("host_platform", {})
+        HostPlatform.bridge_settings = dataclasses.replace(
+            HostPlatform.bridge_settings, **overrides
+        )
     if "engines" not in spec:
         result, _ = _run_engine(spec, spec["engine"], bridge, states)
         print("RESULT " + json.dumps(result), flush=True)

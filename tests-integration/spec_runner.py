@@ -73,11 +73,10 @@ def _record_plan_states(states: Counter) -> None:
 
 def run_one(name: str, spec: dict, engine: dict, states: Counter) -> dict:
     from npu_vllm_bridge.graphs.counters import reset_graph_counters
-    from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper
 
     reset_graph_counters()
     states.clear()
-    BridgeGraphWrapper._all_instances.clear()  # the previous engine's wrappers
+    gc.collect()  # the previous engine's graph wrappers leave the bridge's weak set
     engine = dict(engine)
     skipped: list[int] = []
     restore = _skip_draft_updates(skipped) if engine.pop("skip_draft_updates", False) else None

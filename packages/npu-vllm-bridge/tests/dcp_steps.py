@@ -109,9 +109,7 @@ def gloo_rank(rank: int, port: int, queue) -> None:
         metadata = {"layer": SimpleNamespace(plan=plans.new_plan, dcp=plans)}
         out = torch.full((step.num_tokens, LOCAL_HEADS, HEAD_SIZE), float("nan"))
         group = SimpleNamespace(world_size=DCP, device_group=dist.group.WORLD)
-        dcp_attention(
-            *step.rank_inputs(rank), out, group, layer_name="layer", step_metadata=metadata
-        )
+        dcp_attention(*step.rank_inputs(rank), out, group, metadata["layer"], layer_name="layer")
         queue.put((rank, out.numpy()))  # by value: the process exits after
     finally:
         dist.destroy_process_group()

@@ -24,11 +24,9 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from npu_attention import BatchState
-from npu_vllm_bridge.attention import (
-    BridgeMetadataBuilder,
-    NPUBridgeAttentionBackend,
-    split_kv_cache,
-)
+from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
+from npu_vllm_bridge.attention.builder import BridgeMetadataBuilder
+from npu_vllm_bridge.attention.kv_cache import split_kv_cache
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -199,7 +197,6 @@ def _capture_metadata(model_layers):
 
 def test_capture_build_plans_the_longest_context(model_layers):
     metadata = _capture_metadata(model_layers)
-    assert metadata.for_capture
     assert metadata.plan.seq_lens_host == [8 * BLOCK_SIZE] * 3
     assert metadata.plan.state is BatchState.DECODE_ONLY
 
@@ -211,10 +208,11 @@ def test_host_platform_captures_with_vllm_dummy_lengths(model_layers, monkeypatc
 
     from npu_vllm_bridge.platforms.host import HostPlatform
 
-    assert HostPlatform.capture_longest_context is False
-    monkeypatch.setattr(type(current_platform), "capture_longest_context", False, raising=False)
+    assert HostPlatform.bridge_settings.capture_longest_context is False
+    monkeypatch.setattr(
+        type(current_platform), "bridge_settings", HostPlatform.bridge_settings, raising=False
+    )
     metadata = _capture_metadata(model_layers)
-    assert metadata.for_capture
     assert metadata.plan.seq_lens_host == [1] * 3
 
 

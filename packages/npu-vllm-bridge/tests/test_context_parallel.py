@@ -31,6 +31,7 @@ from npu_attention import dcp_local_seq_lens
 from npu_attention.context_parallel import dcp_slot_mapping
 from npu_vllm_bridge.attention import context_parallel as cp
 from npu_vllm_bridge.attention.context_parallel import dcp_attention
+from npu_vllm_bridge.settings import BridgeSettings
 
 
 class ThreadGroup:
@@ -67,7 +68,7 @@ def _run_ranks(step: Step, monkeypatch) -> list[torch.Tensor]:
             out = torch.full((step.num_tokens, LOCAL_HEADS, HEAD_SIZE), float("nan"))
             group = SimpleNamespace(world_size=DCP, device_group=rank)
             dcp_attention(
-                *step.rank_inputs(rank), out, group, layer_name="layer", step_metadata=metadata
+                *step.rank_inputs(rank), out, group, metadata["layer"], layer_name="layer"
             )
             outs[rank] = out
         except BaseException as exc:  # re-raised in the test's thread
@@ -156,7 +157,7 @@ def _mqa_layers():
     from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
-    from npu_vllm_bridge.attention import NPUBridgeAttentionBackend
+    from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
 
     config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK_SIZE))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
@@ -202,8 +203,8 @@ def test_builder_plans_the_rank_share_padded_requests_get_zero(rank, monkeypatch
     capture build plans the longest context a block table can address on every rank."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from npu_vllm_bridge.attention import BridgeMetadataBuilder
     from npu_vllm_bridge.attention import builder as builder_module
+    from npu_vllm_bridge.attention.builder import BridgeMetadataBuilder
 
     config, names = _mqa_layers()
     layout = cp.DCPLayout(DCP, rank, 1)
@@ -232,7 +233,7 @@ def test_builder_plans_the_rank_share_padded_requests_get_zero(rank, monkeypatch
 def test_impl_declares_dcp_and_natural_log_lse(monkeypatch):
     import vllm.distributed.parallel_state as parallel_state
 
-    from npu_vllm_bridge.attention import NPUBridgeAttentionBackend
+    from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
     from npu_vllm_bridge.attention.impl import BridgeAttentionImpl
 
     assert NPUBridgeAttentionBackend.supports_dcp()
@@ -275,7 +276,9 @@ def test_context_parallel_checks_refuse_mla_dcp_on_a_provider_without_lse(monkey
     from npu_attention.providers.ascend_mla import AscendMLAProvider
     from npu_vllm_bridge.platforms.context_parallel_checks import check_context_parallel
 
-    monkeypatch.setattr(type(current_platform), "attention_provider", "ascend", raising=False)
+    monkeypatch.setattr(
+        type(current_platform), "bridge_settings", BridgeSettings("ascend"), raising=False
+    )
     check_context_parallel(_config(dcp=2, use_mla=True))  # ascend's MLA returns the LSE
     monkeypatch.setattr(AscendMLAProvider, "returns_lse", False)
     with pytest.raises(ValueError, match=r"MLA models \(m\) only with an MLA provider that"):

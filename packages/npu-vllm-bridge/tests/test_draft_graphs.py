@@ -30,7 +30,8 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from npu_attention import BatchState
-from npu_vllm_bridge.attention import BridgeMetadataBuilder, NPUBridgeAttentionBackend
+from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
+from npu_vllm_bridge.attention.builder import BridgeMetadataBuilder
 from npu_vllm_bridge.graphs.draft_graphs import (
     draft_descriptors,
     dummy_uniform_metadata,

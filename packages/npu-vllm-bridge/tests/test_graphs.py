@@ -27,9 +27,9 @@ import npu_attention
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
 from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
 from npu_vllm_bridge.attention.kv_cache import split_kv_cache
+from npu_vllm_bridge.attention.tasks import run_attention
 from npu_vllm_bridge.graphs.counters import graph_counters, reset_graph_counters
-from npu_vllm_bridge.graphs.tasks import run_attention
-from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, step_metadata
+from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, per_layer_metadata
 
 BLOCK_SIZE, NUM_BLOCKS, BATCH = 16, 96, 4
 SPEC = npu_attention.AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32)
@@ -110,8 +110,9 @@ def _attention_step(inputs, key_cache, value_cache, current):
             inputs.value,
             key_cache,
             value_cache,
-            current["plan"],
             out,
+            _metadata(current["plan"]),
+            layer_name="layer",
         )
         return out * 1.0
 
@@ -133,7 +134,7 @@ def test_task_update_makes_each_replay_match_naive_attention():
         inputs.load(batch)
         current["plan"] = _plan(batch)
         if index:
-            assert registry.update("decode-4", current["plan"]) is True
+            registry.update("decode-4", {"layer": _metadata(current["plan"])})
         with graph_dispatch(RuntimeMode.FULL, "decode-4"):
             out = graph(None)
         real = sum(c is not None for c in contexts)
@@ -191,10 +192,7 @@ class _TwoGroups(torch.nn.Module):
     def _layer(self, name, query, out, per_layer):
         key_cache, value_cache = self.caches[name]
         k, v = self.inputs.key, self.inputs.value
-        plan = per_layer[name].plan
-        run_attention(
-            query, k, v, key_cache, value_cache, plan, out, layer_name=name, step_metadata=per_layer
-        )
+        run_attention(query, k, v, key_cache, value_cache, out, per_layer[name], layer_name=name)
 
 
 def test_bridge_wrapper_updates_each_kv_cache_group_with_its_own_plan():
@@ -264,7 +262,7 @@ def test_skipped_update_of_one_group_is_caught():
     ):  # fmt: skip
         wrapper(inputs.query)  # capture with step 0
     mixed = {"layer.0": per_layer_of[1]["layer.0"], "layer.1": per_layer_of[0]["layer.1"]}
-    wrapper.tasks.update(descriptor, mixed, changed=True)
+    wrapper.tasks.update(descriptor, mixed)
     graph_out = wrapper.graphs.replay(descriptor, inputs.query).clone()
     with set_forward_context(per_layer_of[1], config):
         eager_out = wrapper(inputs.query)
@@ -314,10 +312,10 @@ def test_wrapper_refuses_modes_it_cannot_run():
         BridgeGraphWrapper(lambda: None, VllmConfig(), CUDAGraphMode.NONE, graph_backend="host")
 
 
-def test_step_metadata_must_be_per_layer():
+def test_replayed_metadata_must_be_per_layer():
     generator = torch.Generator().manual_seed(14)
     kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     one = _metadata(_plan(_step_batch(STEPS[0], kv_cache, generator)))
-    assert step_metadata({"a": one})["a"] is one
+    assert per_layer_metadata({"a": one})["a"] is one
     with pytest.raises(ValueError, match=r"layer_name: metadata.*got list"):
-        step_metadata([{"a": one}])
+        per_layer_metadata([{"a": one}])

@@ -21,7 +21,7 @@ from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
 from npu_vllm_bridge.attention.context_parallel import DCPLayout
 from npu_vllm_bridge.attention.mla_builder import BridgeMLAMetadata, MLARows
 from npu_vllm_bridge.attention.mla_context_parallel import plan_mla_dcp
-from npu_vllm_bridge.graphs.mla_tasks import run_mla_decode
+from npu_vllm_bridge.attention.tasks import run_mla_decode
 
 HEADS, RANK, NOPE, ROPE, V = 2, 32, 16, 16, 16  # this rank's heads; 4 gathered
 SIZE, INTERLEAVE = 2, 4
@@ -76,8 +76,8 @@ class _Rank:
         out = self.q_latent.new_zeros(TOKENS, HEADS * SIZE, RANK)
         lse = torch.full((TOKENS, HEADS * SIZE), float("-inf"))
         run_mla_decode(
-            self.q_latent * 1.0, self.q_rope * 1.0, self.cache, metadata.plan, out, lse=lse,
-            layer_name=LAYER, step_metadata={LAYER: metadata},
+            self.q_latent * 1.0, self.q_rope * 1.0, self.cache, out, lse, metadata,
+            layer_name=LAYER,
         )  # fmt: skip
         return out * 1.0, lse * 1.0
 
@@ -139,7 +139,7 @@ def _errors(update: bool) -> list[float]:
         for rank in ranks:
             rank.load(step, latents, tables, query)
             if index and update:
-                assert rank.registry.update("dcp", {LAYER: rank.current["metadata"]}) is True
+                rank.registry.update("dcp", {LAYER: rank.current["metadata"]})
             with graph_dispatch(RuntimeMode.FULL, "dcp"):
                 parts.append(rank.graph(None))
         merged, _ = merge_attention_states(

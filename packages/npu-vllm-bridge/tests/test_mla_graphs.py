@@ -14,7 +14,7 @@ from npu_attention.mla import MLASpec, allocate_latent_cache
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
 from npu_vllm_bridge.attention.builder import count_leading_decodes
 from npu_vllm_bridge.attention.mla_builder import BridgeMLAMetadata, MLARows, pad_requests
-from npu_vllm_bridge.graphs.mla_tasks import run_mla_decode, run_mla_write_cache
+from npu_vllm_bridge.attention.tasks import run_mla_decode, run_mla_write_cache
 
 HEADS, RANK, NOPE, ROPE, V = 4, 32, 16, 16, 16
 BLOCK, NUM_BLOCKS, BATCH, WIDTH = 16, 64, 4, 8
@@ -92,16 +92,12 @@ def _decode_step(inputs, cache, current):
     """The graphed callable: one MLA layer's latent write and absorbed decode."""
 
     def step(_):
-        step_metadata = {LAYER: current["metadata"]}
-        plan = current["metadata"].plan
-        run_mla_write_cache(
-            inputs.kv_c * 1.0, inputs.k_pe * 1.0, cache, plan,
-            layer_name=LAYER, step_metadata=step_metadata,
-        )  # fmt: skip
+        metadata = current["metadata"]
+        run_mla_write_cache(inputs.kv_c * 1.0, inputs.k_pe * 1.0, cache, metadata, layer_name=LAYER)
         out = inputs.q_latent.new_zeros(inputs.rows, HEADS, RANK)
         run_mla_decode(
-            inputs.q_latent * 1.0, inputs.q_rope * 1.0, cache, plan, out,
-            layer_name=LAYER, step_metadata=step_metadata,
+            inputs.q_latent * 1.0, inputs.q_rope * 1.0, cache, out, None, metadata,
+            layer_name=LAYER,
         )  # fmt: skip
         return out * 1.0
 
@@ -138,7 +134,7 @@ def _run_steps(update: bool, seed: int, q: int = 1) -> list[float]:
         inputs.load(generator, latents, metadata.plan.slot_mapping)
         current["metadata"] = metadata
         if index and update:
-            assert registry.update("decode-4", {LAYER: metadata}) is True
+            registry.update("decode-4", {LAYER: metadata})
         with graph_dispatch(RuntimeMode.FULL, "decode-4"):
             out = graph(None)
         expected = _oracle(inputs, latents, tables, seq_lens, q)

@@ -54,8 +54,9 @@ def test_device_identity(npu_platform):
     assert npu_platform.dispatch_key == "PrivateUse1"
     assert npu_platform.device_control_env_var == "ASCEND_RT_VISIBLE_DEVICES"
     assert npu_platform.dist_backend == "hccl"
-    assert npu_platform.attention_provider == "ascend"
-    assert npu_platform.graph_backend == "npu"
+    assert npu_platform.bridge_settings.attention_provider == "ascend"
+    assert npu_platform.bridge_settings.graph_backend == "npu"
+    assert npu_platform.bridge_settings.kv_cache_split == "planes"
     assert npu_platform.get_static_graph_wrapper_cls().endswith("BridgeGraphWrapper")
 
 

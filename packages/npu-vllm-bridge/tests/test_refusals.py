@@ -10,7 +10,9 @@ from vllm.config import CacheConfig, ModelConfig, VllmConfig
 from vllm.v1.attention.selector import AttentionSelectorConfig
 
 from npu_vllm_bridge.attention.impl import BridgeAttentionImpl
+from npu_vllm_bridge.attention.selector import backend_for_selector
 from npu_vllm_bridge.platforms import checks
+from npu_vllm_bridge.settings import BridgeSettings
 
 
 def _selector(**overrides) -> AttentionSelectorConfig:
@@ -21,15 +23,15 @@ def _selector(**overrides) -> AttentionSelectorConfig:
 def test_selector_serves_mla_layers_with_the_bridge_mla_backend():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    path = checks.backend_for_selector(_selector(use_mla=True, head_size=96, block_size=16))
-    assert path == "npu_vllm_bridge.attention.mla_backend.NPUBridgeMLABackend"
+    path = backend_for_selector(_selector(use_mla=True, head_size=96, block_size=16))
+    assert path == "npu_vllm_bridge.attention.backend.NPUBridgeMLABackend"
     assert AttentionBackendEnum.CUSTOM.get_path() == path
 
 
 def test_selector_accepts_a_supported_layer_and_registers_custom():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    path = checks.backend_for_selector(_selector())
+    path = backend_for_selector(_selector())
     assert path == "npu_vllm_bridge.attention.backend.NPUBridgeAttentionBackend"
     assert AttentionBackendEnum.CUSTOM.get_path() == path
 
@@ -54,7 +56,7 @@ def test_selector_accepts_a_supported_layer_and_registers_custom():
 )
 def test_selector_refuses_unsupported_layers(overrides, message):
     with pytest.raises(ValueError, match=message):
-        checks.backend_for_selector(_selector(**overrides))
+        backend_for_selector(_selector(**overrides))
 
 
 IMPL_ARGS = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
@@ -125,7 +127,9 @@ def test_head_sizes_come_from_the_platforms_provider(tmp_path, monkeypatch):
     from npu_attention.providers.ascend import AscendProvider
     from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
 
-    monkeypatch.setattr(type(current_platform), "attention_provider", "ascend", raising=False)
+    monkeypatch.setattr(
+        type(current_platform), "bridge_settings", BridgeSettings("ascend"), raising=False
+    )
     monkeypatch.setattr(AscendProvider, "head_sizes", (128,))
     assert NPUBridgeAttentionBackend.get_supported_head_sizes() == [128]
     config = _vllm_config(_write_config(tmp_path, head_dim=64))
@@ -186,7 +190,9 @@ def test_mla_refusals_name_the_platforms_provider(tmp_path, monkeypatch):
 
     from npu_attention.providers.ascend_mla import AscendMLAProvider
 
-    monkeypatch.setattr(type(current_platform), "attention_provider", "ascend", raising=False)
+    monkeypatch.setattr(
+        type(current_platform), "bridge_settings", BridgeSettings("ascend"), raising=False
+    )
     monkeypatch.setattr(AscendMLAProvider, "is_available", classmethod(lambda cls: True))
     config = _vllm_config(_write_config(tmp_path, **MLA_FIELDS))
     with pytest.raises(ValueError, match=r"'ascend' MLA provider.*kv_lora_rank=64.*needs"):

@@ -34,8 +34,9 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from npu_attention import BatchState
-from npu_vllm_bridge.attention import BridgeMetadataBuilder, NPUBridgeAttentionBackend
+from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
 from npu_vllm_bridge.attention.builder import (
+    BridgeMetadataBuilder,
     count_leading_decodes,
     fill_padding_requests,
     host_query_and_seq_lens,

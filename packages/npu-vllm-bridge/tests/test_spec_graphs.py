@@ -26,7 +26,7 @@ from npu_vllm_bridge.attention.builder import (
     fill_padding_requests,
 )
 from npu_vllm_bridge.attention.kv_cache import split_kv_cache
-from npu_vllm_bridge.graphs.tasks import run_attention
+from npu_vllm_bridge.attention.tasks import run_attention
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_REQS, K = 16, 96, 4, 2
@@ -64,10 +64,9 @@ class _OneLayer(torch.nn.Module):
             self.key,
             self.value,
             *self.caches,
-            per_layer[self.name].plan,
             out,
+            per_layer[self.name],
             layer_name=self.name,
-            step_metadata=per_layer,
         )
         return out * 1.0
 
@@ -199,7 +198,7 @@ def test_skipped_draft_registry_update_is_caught():
     second = models.draft_step(contexts, 2)
     # The target's registry cannot serve the draft's step: its layer is not there.
     try:
-        models.target_graphs.tasks.update(models.verify_key, second, changed=True)
+        models.target_graphs.tasks.update(models.verify_key, second)
     except ValueError as error:
         assert TARGET in str(error)
     else:
@@ -211,6 +210,6 @@ def test_skipped_draft_registry_update_is_caught():
     rows = _real_rows(contexts, 1)
     assert (stale[:rows] - eager[:rows]).abs().max() > 1e-3
     # The update makes the same replay right.
-    models.draft_graphs.tasks.update(models.draft_key, second, changed=True)
+    models.draft_graphs.tasks.update(models.draft_key, second)
     fresh = models.draft_graphs.graphs.replay(models.draft_key, models.scale)
     torch.testing.assert_close(fresh[:rows], eager[:rows], atol=ATOL, rtol=0)

@@ -118,7 +118,10 @@ def test_draft_with_another_kv_cache_layout_is_refused(tmp_path):
 def test_draft_head_size_the_provider_lacks_is_refused(tmp_path):
     target = _model(tmp_path / "target")
     draft = _model(tmp_path / "draft", head_dim=48)
-    with pytest.raises(ValueError, match=r"draft .* head size 48 is not supported"):
+    with pytest.raises(
+        ValueError,
+        match=r"head size 48 \(the .* draft .*\) with the 'reference' attention provider",
+    ):
         check_speculative(_config(target, "eagle", draft=draft))
 
 

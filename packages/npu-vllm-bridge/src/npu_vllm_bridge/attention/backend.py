@@ -37,10 +37,20 @@ class BridgeBackendMixin:
 
     supported_dtypes: ClassVar[list[torch.dtype]] = list(SUPPORTED_DTYPES)
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = ["auto"]
+    impl_cls: ClassVar[type]
+    builder_cls: ClassVar[type]
 
     @staticmethod
     def get_name() -> str:
         return BACKEND_NAME
+
+    @classmethod
+    def get_impl_cls(cls) -> type:
+        return cls.impl_cls
+
+    @classmethod
+    def get_builder_cls(cls) -> type:
+        return cls.builder_cls
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
@@ -73,14 +83,8 @@ class NPUBridgeAttentionBackend(BridgeBackendMixin, AttentionBackend):
     """
 
     forward_includes_kv_cache_update: bool = True
-
-    @staticmethod
-    def get_impl_cls() -> type[BridgeAttentionImpl]:
-        return BridgeAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[BridgeMetadataBuilder]:
-        return BridgeMetadataBuilder
+    impl_cls = BridgeAttentionImpl
+    builder_cls = BridgeMetadataBuilder
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -102,13 +106,8 @@ class NPUBridgeMLABackend(BridgeBackendMixin, MLACommonBackend):
     ``kv_lora_rank + qk_rope_head_dim`` per token, vLLM's MLA cache). The latent
     widths a provider takes are checked at start-up, so every head size passes here."""
 
-    @staticmethod
-    def get_impl_cls() -> type[BridgeMLAImpl]:
-        return BridgeMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[BridgeMLAMetadataBuilder]:
-        return BridgeMLAMetadataBuilder
+    impl_cls = BridgeMLAImpl
+    builder_cls = BridgeMLAMetadataBuilder
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

@@ -9,6 +9,7 @@ the MLA builder (``mla_builder.py``) keeps only what MLA does differently.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -53,7 +54,8 @@ class StepLengths:
 
 
 class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
-    """What both bridge builders share; subclasses give ``layer_spec`` and ``plan_step``.
+    """What both bridge builders share; subclasses give ``spec_for_layers`` (the
+    npu-attention spec of their KV-cache group's layers) and ``plan_step``.
 
     vLLM reorders each batch so that decodes (query length 1, or up to
     ``1 + num_speculative_tokens`` with a drafter) come first, as ``npu_attention.plan``
@@ -67,6 +69,7 @@ class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )
+    spec_for_layers: ClassVar[Callable[..., Any]]
 
     def __init__(
         self,
@@ -82,7 +85,7 @@ class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
         # With a drafter, vLLM's host seq_lens are only upper bounds (draft steps
         # after rejected tokens lower the device ones): read the exact ones.
         self.exact_seq_lens = vllm_config.speculative_config is not None
-        self.spec = self.layer_spec(
+        self.spec = type(self).spec_for_layers(
             kv_cache_spec, layer_names, vllm_config, self.max_decode_len - 1
         )
         settings = current_settings()
@@ -121,8 +124,7 @@ class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
 
     def step_lengths(self, cm: CommonAttentionMetadata, for_capture: bool) -> StepLengths:
         query_lens, seq_lens = host_query_and_seq_lens(cm, exact=self.exact_seq_lens)
-        num_real = count_real_requests(query_lens)
-        fill_padding_requests(query_lens, seq_lens, cm.num_actual_tokens, self.max_decode_len)
+        num_real = self.pad(query_lens, seq_lens, cm.num_actual_tokens)
         longest = for_capture and self.capture_longest
         if longest:
             seq_lens = longest_context_lens(
@@ -130,6 +132,13 @@ class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
                 self.max_model_len,
             )  # fmt: skip
         return StepLengths(query_lens, seq_lens, num_real, longest)
+
+    def pad(self, query_lens: list[int], seq_lens: list[int], num_tokens: int) -> int:
+        """Turn graph padding into decodes that write nothing, in place (see
+        :func:`fill_padding_requests`); returns the number of real requests."""
+        num_real = count_real_requests(query_lens)
+        fill_padding_requests(query_lens, seq_lens, num_tokens, self.max_decode_len)
+        return num_real
 
     def plan(
         self, cm: CommonAttentionMetadata, lengths: StepLengths, num_decodes: int
@@ -147,72 +156,9 @@ class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
             device_lengths=runner_lengths(cm) if lengths.as_given(cm) else None,
         )
 
-    def layer_spec(
-        self,
-        kv_cache_spec: VllmAttentionSpec,
-        layer_names: list[str],
-        vllm_config: VllmConfig,
-        num_speculative_tokens: int,
-    ) -> Any:
-        """The npu-attention spec shared by the layers of this KV-cache group."""
-        raise NotImplementedError
-
     def plan_step(self, cm: CommonAttentionMetadata, lengths: StepLengths) -> M:
         """The step's metadata from its host lengths."""
         raise NotImplementedError
-
-
-@dataclass
-class BridgeAttentionMetadata:
-    """What every attention layer of one KV-cache group reads in one step.
-
-    Attributes:
-        plan: the step's ``npu_attention`` plan (host lists and device tensors); under
-            decode context parallelism, the new tokens' plan (``dcp.new_plan``).
-        num_actual_tokens: query rows in the step, graph padding included.
-        dcp: the step's plans under decode context parallelism, else ``None``.
-    """
-
-    plan: AttentionPlan
-    num_actual_tokens: int
-    dcp: DCPPlans | None = None
-
-
-class BridgeMetadataBuilder(BridgeBuilderBase[BridgeAttentionMetadata]):
-    """Builds a :class:`BridgeAttentionMetadata` per step for GQA/MQA layers."""
-
-    def layer_spec(
-        self,
-        kv_cache_spec: VllmAttentionSpec,
-        layer_names: list[str],
-        vllm_config: VllmConfig,
-        num_speculative_tokens: int,
-    ) -> AttentionSpec:
-        return attention_spec_for_layers(
-            kv_cache_spec, layer_names, vllm_config, num_speculative_tokens
-        )
-
-    def plan_step(
-        self, cm: CommonAttentionMetadata, lengths: StepLengths
-    ) -> BridgeAttentionMetadata:
-        query_lens = lengths.query_lens
-        num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
-        if self.dcp is None:
-            plan = self.plan(cm, lengths, num_decodes)
-            return BridgeAttentionMetadata(plan, cm.num_actual_tokens)
-        plans = plan_dcp(
-            cumulative(query_lens),
-            query_lens,
-            lengths.seq_lens,
-            cm.block_table_tensor[: cm.num_reqs],
-            cm.slot_mapping[: cm.num_actual_tokens],
-            num_decodes,
-            self.spec,
-            self.dcp,
-            device=self.device,
-            provider=self.provider,
-        )
-        return BridgeAttentionMetadata(plans.new_plan, cm.num_actual_tokens, plans)
 
 
 def host_query_and_seq_lens(
@@ -348,3 +294,47 @@ def attention_spec_for_layers(
         scale=scale,
         num_speculative_tokens=num_speculative_tokens,
     )
+
+
+@dataclass
+class BridgeAttentionMetadata:
+    """What every attention layer of one KV-cache group reads in one step.
+
+    Attributes:
+        plan: the step's ``npu_attention`` plan (host lists and device tensors); under
+            decode context parallelism, the new tokens' plan (``dcp.new_plan``).
+        num_actual_tokens: query rows in the step, graph padding included.
+        dcp: the step's plans under decode context parallelism, else ``None``.
+    """
+
+    plan: AttentionPlan
+    num_actual_tokens: int
+    dcp: DCPPlans | None = None
+
+
+class BridgeMetadataBuilder(BridgeBuilderBase[BridgeAttentionMetadata]):
+    """Builds a :class:`BridgeAttentionMetadata` per step for GQA/MQA layers."""
+
+    spec_for_layers = staticmethod(attention_spec_for_layers)
+
+    def plan_step(
+        self, cm: CommonAttentionMetadata, lengths: StepLengths
+    ) -> BridgeAttentionMetadata:
+        query_lens = lengths.query_lens
+        num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
+        if self.dcp is None:
+            plan = self.plan(cm, lengths, num_decodes)
+            return BridgeAttentionMetadata(plan, cm.num_actual_tokens)
+        plans = plan_dcp(
+            cumulative(query_lens),
+            query_lens,
+            lengths.seq_lens,
+            cm.block_table_tensor[: cm.num_reqs],
+            cm.slot_mapping[: cm.num_actual_tokens],
+            num_decodes,
+            self.spec,
+            self.dcp,
+            device=self.device,
+            provider=self.provider,
+        )
+        return BridgeAttentionMetadata(plans.new_plan, cm.num_actual_tokens, plans)

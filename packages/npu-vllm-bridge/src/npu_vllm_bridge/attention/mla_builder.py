@@ -21,6 +21,8 @@ from npu_vllm_bridge.attention.builder import (
     BridgeBuilderBase,
     StepLengths,
     count_leading_decodes,
+    count_real_requests,
+    fill_padding_requests,
 )
 from npu_vllm_bridge.attention.mla_context_parallel import plan_mla_dcp
 from npu_vllm_bridge.settings import PREFIX
@@ -72,75 +74,21 @@ class BridgeMLAMetadata:
     query_start_loc: torch.Tensor | None = None
 
 
-class BridgeMLAMetadataBuilder(BridgeBuilderBase[BridgeMLAMetadata]):
-    """Builds a :class:`BridgeMLAMetadata` per step (the skeleton is the GQA builder's).
-
-    What MLA does differently: graph-padding requests left without tokens get KV length
-    0 (Ascend's fused MLA op takes 1 to 16 query tokens per request), padding joins the
-    decodes of a decode-only step, the metadata carries vLLM's decode/prefill row
-    counts, and under DCP every row is a one-token absorbed decode (``plan_mla_dcp``).
-    """
-
-    def layer_spec(
-        self,
-        kv_cache_spec: VllmAttentionSpec,
-        layer_names: list[str],
-        vllm_config: VllmConfig,
-        num_speculative_tokens: int,
-    ) -> MLASpec:
-        return mla_spec_for_layers(kv_cache_spec, layer_names, vllm_config, num_speculative_tokens)
-
-    def plan_step(self, cm: CommonAttentionMetadata, lengths: StepLengths) -> BridgeMLAMetadata:
-        query_lens, seq_lens, num_real = lengths.query_lens, lengths.seq_lens, lengths.num_real
-        for i in range(num_real, len(query_lens)):
-            if query_lens[i] == 0:
-                seq_lens[i] = 0
-        if self.dcp is not None:
-            return self._plan_dcp(cm, query_lens[:num_real], seq_lens[:num_real])
-        num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
-        if num_decodes == num_real:
-            num_decodes = len(query_lens)  # graph padding joins a decode-only step
-        plan = self.plan(cm, lengths, num_decodes)
-        decode_rows = plan.num_decode_tokens if plan.num_prefills else cm.num_actual_tokens
-        prefill_rows = plan.num_actual_tokens - plan.num_decode_tokens
-        return BridgeMLAMetadata(
-            plan=plan,
-            num_actual_tokens=cm.num_actual_tokens,
-            num_reqs=cm.num_reqs,
-            num_decodes=plan.num_decodes,
-            num_decode_tokens=decode_rows,
-            num_prefills=plan.num_prefills,
-            decode=MLARows(plan.num_decodes, decode_rows) if decode_rows else None,
-            prefill=MLARows(plan.num_prefills, prefill_rows) if plan.num_prefills else None,
-        )
-
-    def _plan_dcp(
-        self, cm: CommonAttentionMetadata, query_lens: list[int], seq_lens: list[int]
-    ) -> BridgeMLAMetadata:
-        """Under DCP every row is a one-token absorbed decode (``plan_mla_dcp``)."""
-        tokens = cm.num_actual_tokens
-        plan = plan_mla_dcp(
-            query_lens,
-            seq_lens,
-            cm.block_table_tensor[: len(query_lens)],
-            cm.slot_mapping[:tokens],
-            tokens,
-            self.spec,
-            self.dcp,
-            device=self.device,
-            provider=self.provider,
-        )
-        return BridgeMLAMetadata(
-            plan=plan,
-            num_actual_tokens=tokens,
-            num_reqs=tokens,
-            num_decodes=tokens,
-            num_decode_tokens=tokens,
-            num_prefills=0,
-            decode=MLARows(tokens, tokens),
-            prefill=None,
-            query_start_loc=cm.query_start_loc,
-        )
+def pad_requests(
+    query_lens: list[int], seq_lens: list[int], num_tokens: int, max_decode_len: int
+) -> int:
+    """Turn the trailing graph-padding requests (query length 0) into decodes of the
+    spare tokens over the null block, in place (``fill_padding_requests``: ``1 + k``
+    tokens and keys each in a padded verify step, else 1), and return the number of
+    real requests. Ascend's fused MLA op takes 1 to 16 query tokens per request, so
+    padding requests bring tokens; any left without (too few spare tokens) get KV
+    length 0."""
+    num_real = count_real_requests(query_lens)
+    fill_padding_requests(query_lens, seq_lens, num_tokens, max_decode_len)
+    for i in range(num_real, len(query_lens)):
+        if query_lens[i] == 0:
+            seq_lens[i] = 0
+    return num_real
 
 
 def mla_spec_for_layers(
@@ -194,3 +142,67 @@ def mla_spec_for_layers(
         scale=scale,
         num_speculative_tokens=num_speculative_tokens,
     )
+
+
+class BridgeMLAMetadataBuilder(BridgeBuilderBase[BridgeMLAMetadata]):
+    """Builds a :class:`BridgeMLAMetadata` per step (the skeleton is the GQA builder's).
+
+    What MLA does differently: graph-padding requests left without tokens get KV length
+    0 (Ascend's fused MLA op takes 1 to 16 query tokens per request), padding joins the
+    decodes of a decode-only step, the metadata carries vLLM's decode/prefill row
+    counts, and under DCP every row is a one-token absorbed decode (``plan_mla_dcp``).
+    """
+
+    spec_for_layers = staticmethod(mla_spec_for_layers)
+
+    def pad(self, query_lens: list[int], seq_lens: list[int], num_tokens: int) -> int:
+        return pad_requests(query_lens, seq_lens, num_tokens, self.max_decode_len)
+
+    def plan_step(self, cm: CommonAttentionMetadata, lengths: StepLengths) -> BridgeMLAMetadata:
+        query_lens, seq_lens, num_real = lengths.query_lens, lengths.seq_lens, lengths.num_real
+        if self.dcp is not None:
+            return self._plan_dcp(cm, query_lens[:num_real], seq_lens[:num_real])
+        num_decodes = count_leading_decodes(query_lens, self.max_decode_len)
+        if num_decodes == num_real:
+            num_decodes = len(query_lens)  # graph padding joins a decode-only step
+        plan = self.plan(cm, lengths, num_decodes)
+        decode_rows = plan.num_decode_tokens if plan.num_prefills else cm.num_actual_tokens
+        prefill_rows = plan.num_actual_tokens - plan.num_decode_tokens
+        return BridgeMLAMetadata(
+            plan=plan,
+            num_actual_tokens=cm.num_actual_tokens,
+            num_reqs=cm.num_reqs,
+            num_decodes=plan.num_decodes,
+            num_decode_tokens=decode_rows,
+            num_prefills=plan.num_prefills,
+            decode=MLARows(plan.num_decodes, decode_rows) if decode_rows else None,
+            prefill=MLARows(plan.num_prefills, prefill_rows) if plan.num_prefills else None,
+        )
+
+    def _plan_dcp(
+        self, cm: CommonAttentionMetadata, query_lens: list[int], seq_lens: list[int]
+    ) -> BridgeMLAMetadata:
+        """Under DCP every row is a one-token absorbed decode (``plan_mla_dcp``)."""
+        tokens = cm.num_actual_tokens
+        plan = plan_mla_dcp(
+            query_lens,
+            seq_lens,
+            cm.block_table_tensor[: len(query_lens)],
+            cm.slot_mapping[:tokens],
+            tokens,
+            self.spec,
+            self.dcp,
+            device=self.device,
+            provider=self.provider,
+        )
+        return BridgeMLAMetadata(
+            plan=plan,
+            num_actual_tokens=tokens,
+            num_reqs=tokens,
+            num_decodes=tokens,
+            num_decode_tokens=tokens,
+            num_prefills=0,
+            decode=MLARows(tokens, tokens),
+            prefill=None,
+            query_start_loc=cm.query_start_loc,
+        )

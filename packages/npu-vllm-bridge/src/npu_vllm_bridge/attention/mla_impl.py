@@ -21,11 +21,12 @@ layer's metadata.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
-from vllm.v1.attention.backend import AttentionLayer
+from vllm.v1.attention.backend import AttentionLayer, AttentionType
 
 from npu_attention.mla import LatentCache, latent_cache_planes, split_latent_cache
 from npu_vllm_bridge.attention.capabilities import refuse_layer_options
@@ -33,6 +34,9 @@ from npu_vllm_bridge.attention.mla_builder import BridgeMLAMetadata
 from npu_vllm_bridge.attention.mla_context_parallel import BridgeMLADCP
 from npu_vllm_bridge.attention.tasks import run_mla_decode, run_mla_prefill, run_mla_write_cache
 from npu_vllm_bridge.settings import PREFIX, current_settings
+
+# The arguments vLLM's MLA impl takes (the layer may pass more; they are not its).
+_BASE_PARAMETERS = frozenset(inspect.signature(MLACommonImpl.__init__).parameters) - {"self"}
 
 
 class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
@@ -47,49 +51,19 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
     can_return_lse_for_decode: bool = True
     supports_dcp: bool = True
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        alibi_slopes: list[float] | None,
-        sliding_window: int | None,
-        kv_cache_dtype: str,
-        logits_soft_cap: float | None,
-        attn_type: str,
-        kv_sharing_target_layer_name: str | None,
-        **mla_args: Any,
-    ) -> None:
+    def __init__(self, **layer_args: Any) -> None:
+        """vLLM's ``MLAAttention`` passes the impl's arguments by keyword: those of
+        ``MLACommonImpl`` (its options are refused here when the kernels lack them)."""
         refuse_layer_options(
-            alibi_slopes=alibi_slopes,
-            kv_cache_dtype=kv_cache_dtype,
-            attn_type=attn_type,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            extra={"indexer": mla_args.get("indexer")},
+            alibi_slopes=layer_args.get("alibi_slopes"),
+            kv_cache_dtype=layer_args.get("kv_cache_dtype", "auto"),
+            attn_type=layer_args.get("attn_type", AttentionType.DECODER),
+            sliding_window=layer_args.get("sliding_window"),
+            logits_soft_cap=layer_args.get("logits_soft_cap"),
+            extra={"indexer": layer_args.get("indexer")},
             mla=True,
         )
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            alibi_slopes,
-            sliding_window,
-            kv_cache_dtype,
-            logits_soft_cap,
-            attn_type,
-            kv_sharing_target_layer_name,
-            q_lora_rank=mla_args["q_lora_rank"],
-            kv_lora_rank=mla_args["kv_lora_rank"],
-            qk_nope_head_dim=mla_args["qk_nope_head_dim"],
-            qk_rope_head_dim=mla_args["qk_rope_head_dim"],
-            qk_head_dim=mla_args["qk_head_dim"],
-            v_head_dim=mla_args["v_head_dim"],
-            kv_b_proj=mla_args["kv_b_proj"],
-            q_pad_num_heads=mla_args.get("q_pad_num_heads"),
-        )
+        super().__init__(**{k: v for k, v in layer_args.items() if k in _BASE_PARAMETERS})
         # The decode kernels take queries in the model dtype (no fp8 query input).
         self.supports_quant_query_input = False
         self.kv_cache_split = current_settings().kv_cache_split
