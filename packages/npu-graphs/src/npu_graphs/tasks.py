@@ -208,8 +208,6 @@ class TaskRecording:
     ) -> Any:
         """Issue ``fn(*args, **kwargs, **step_values)`` into the capture as a task of
         ``registry``; returns its result."""
-        if self._in_task:
-            raise GraphCaptureError(f"{registry.label}: updatable tasks cannot nest")
         overlap = step_values.keys() & kwargs.keys()
         if overlap:
             raise TypeError(
@@ -219,11 +217,8 @@ class TaskRecording:
         host = {k: v for k, v in step_values.items() if not backend.is_device_tensor(v)}
         buffers = {k: v for k, v in step_values.items() if backend.is_device_tensor(v)}
         grouped = bool(host) and backend.supports_task_update
-        self._in_task = True
-        try:
+        with self._one_task(registry):
             result, handle = _issue(self.session, fn, args, {**kwargs, **buffers}, host, grouped)
-        finally:
-            self._in_task = False
         baked = {} if grouped else {k: baked_copy(v) for k, v in host.items()}
         # A backend that records tasks whole updates them by their host values alone:
         # keeping the capture-time arguments would keep the capture's activations alive.
@@ -234,6 +229,17 @@ class TaskRecording:
         )  # fmt: skip
         self._recorded.setdefault(id(registry), (registry, []))[1].append(task)
         return result
+
+    @contextlib.contextmanager
+    def _one_task(self, registry: TaskRegistry) -> Iterator[None]:
+        """The enclosed block issues one task; a task issued inside it is refused."""
+        if self._in_task:
+            raise GraphCaptureError(f"{registry.label}: updatable tasks cannot nest")
+        self._in_task = True
+        try:
+            yield
+        finally:
+            self._in_task = False
 
     def commit(self) -> None:
         """Hand each registry the tasks it recorded (the default registry's count is
