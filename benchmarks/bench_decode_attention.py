@@ -267,8 +267,7 @@ def profile_kernels(device: torch.device) -> None:
 
 HOPPER_VARIANTS = {
     "portable": None,
-    "n64_w4_s2": {"block_n": 64, "num_warps": 4, "num_stages": 2, "pdl": 0},
-    "n64_w4_s2_pdl": {"block_n": 64, "num_warps": 4, "num_stages": 2, "pdl": 1},
+    "n64_w4_s2": {"block_n": 64, "num_warps": 4, "num_stages": 2},
     "n64_w4_s3": {"block_n": 64, "num_warps": 4, "num_stages": 3},
     "n64_w8_s2": {"block_n": 64, "num_warps": 8, "num_stages": 2},
     "n128_w4_s2": {"block_n": 128, "num_warps": 4, "num_stages": 2},

@@ -2,8 +2,7 @@
 
 Checks each kernel against SDPA (float32 reference) on several batches, then times
 8 x 2048 causal (32 / 8 heads, head size 128, bf16) for the Hopper kernel at 2 and 3
-stages in both orders of its (query tile, head) pairs, the portable kernel on the same
-contiguous rows, and SDPA's cuDNN / flash.
+stages, the portable kernel on the same contiguous rows, and SDPA's cuDNN / flash.
 
     python benchmarks/bench_hopper_prefill.py [--variants all] [--rounds 3]
 """
@@ -93,10 +92,7 @@ def check(device, names):
 # ``hopper_prefill``); ``--variants all`` times every one.
 VARIANTS = {
     "default": {},
-    "tiles_first": {"heads_first": False},
     "3_stages": {"stages": 3},
-    "program_per_pair": {"persistent": False},
-    "program_per_pair_tiles_first": {"persistent": False, "heads_first": False},
 }
 
 

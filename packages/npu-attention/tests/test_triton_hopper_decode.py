@@ -129,7 +129,6 @@ def test_gpu_hopper_decode_matches_reference(
 @pytest.mark.parametrize(
     "launch",
     [
-        {"block_n": 64, "num_warps": 4, "num_stages": 2, "pdl": 1},
         {"block_n": 64, "num_warps": 4, "num_stages": 3},
         {"block_n": 64, "num_warps": 4, "num_stages": 8},
         {"block_n": 64, "num_warps": 8, "num_stages": 2},
@@ -144,9 +143,8 @@ def test_gpu_hopper_decode_launch_settings(
     launch: dict, head_size: int, num_kv_splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every tile / warp / ring setting the provider can be given, beyond the default
-    that every other case runs: with programmatic dependent launch, rings shallower
-    than a program's tiles (each stage reused many times) and deeper, wider tiles,
-    eight consumer warps."""
+    that every other case runs: rings shallower than a program's tiles (each stage
+    reused many times) and deeper, wider tiles, eight consumer warps."""
     spec = AttentionSpec(32, 8, head_size, block_size=16, dtype=torch.bfloat16)
     batch = _decode(spec, [2000, 1, 700, 64, 129])
     batch.plan.provider.hopper_decode_launch = launch

@@ -80,17 +80,15 @@ HOPPER_CASES = {
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("heads_first", [True, False], ids=["heads_first", "tiles_first"])
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("case", list(HOPPER_CASES))
 def test_gpu_hopper_prefill_matches_reference(
-    case: str, stages: int, heads_first: bool, monkeypatch: pytest.MonkeyPatch
+    case: str, stages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     query_lens, (heads, kv_heads), head_size, dtype, causal = HOPPER_CASES[case]
     spec = AttentionSpec(heads, kv_heads, head_size, block_size=16, dtype=dtype, causal=causal)
     batch = _prefill(spec, query_lens)
     batch.plan.provider.hopper_prefill_stages = stages
-    batch.plan.provider.hopper_prefill_heads_first = heads_first
     launches = _count_hopper_launches(monkeypatch)
     assert_matches_reference(batch, attend_with_own_rows(batch))
     assert launches == [1]

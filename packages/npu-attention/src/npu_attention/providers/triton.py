@@ -64,6 +64,11 @@ class TritonProvider(AttentionProvider):
         min_unsplit_fill: a decode of at least this many programs (requests x KV
             heads) per multiprocessor is not split (a merge pass costs more than
             the idle multiprocessors).
+        decode_launch, decode_launch_one_wave, prefill_launch, prefill_launch_small_pages:
+            the portable kernel's launches (``block_m``, ``block_n``, ``num_warps``,
+            ``num_stages``, ``pdl``, ``prefetch_tiles``; see ``_launch_config``).
+        hopper_prefill, hopper_prefill_stages, hopper_decode, hopper_decode_launch: the
+            Gluon kernels for Hopper GPUs, each on or off, and their settings.
     """
 
     name: ClassVar[str] = "triton"
@@ -76,17 +81,15 @@ class TritonProvider(AttentionProvider):
     returns_lse: ClassVar[bool] = True
 
     def __init__(self) -> None:
+        # The settings taken after measuring on an H100; benchmarks/README.md lists the
+        # alternatives tried and their figures.
         self.min_tokens_per_split = 128
         self.target_waves = 2
         self.min_unsplit_fill = 0.75
-        # ``pdl``: a split decode's merge kernel launches while the attention kernel runs
-        # (Hopper and later; elsewhere left out of the launch). On an H100 it took 1 to
-        # 1.6 us off a 1 x 4096 decode replayed as a graph (19.8 -> 18.2-18.8 us).
-        # ``prefetch_tiles``: on an H100 it took 0.3-0.8 us off graph replays of small
-        # decodes (1 x 4096: 18.9 -> 18.3 us, 16 x 512: 24.7 -> 24.4, 1 x 512: 11.5 -> 11.1;
-        # block 128) and left large ones unchanged (64 x 4096: 368 us either way). Two or
-        # four tiles did no better on small decodes and cost more on large ones (64 x 512:
-        # 62.4 us with one tile, 64.3 with two, 68.5 with four).
+        # ``pdl``: programmatic dependent launch (Hopper and later; elsewhere left out of
+        # the launch): a split decode's merge kernel launches while the attention kernel
+        # runs. ``prefetch_tiles``: each decode program asks the L2 for the K/V rows of its
+        # first key tile as it starts, before its lengths arrive (CUDA only).
         self.decode_launch: dict[str, int] = {
             "block_n": 64,
             "num_warps": 2,
@@ -94,11 +97,8 @@ class TritonProvider(AttentionProvider):
             "pdl": 1,
             "prefetch_tiles": 1,
         }
-        # At most one program per multiprocessor (splits included): wider K/V tiles keep
-        # more bytes in flight. On an H100 (graph replay, L2 cleared), split decodes of
-        # one wave took 11.6 us at 1 x 512 with these tiles against 13.2 with
-        # ``decode_launch``, 14.5 against 15.5 at 4 x 512, 16.1 against 16.9 at 1 x 2048
-        # (block 128); an unsplit 16 x 512 took 24.5 us with or without ``pdl``.
+        # Decodes whose programs, splits included, fit one wave (at most one per
+        # multiprocessor): wider K/V tiles keep more bytes in flight.
         self.decode_launch_one_wave: dict[str, int] = {
             "block_n": 128,
             "num_warps": 4,
@@ -112,39 +112,23 @@ class TritonProvider(AttentionProvider):
             "num_warps": 8,
             "num_stages": 3,
         }
-        # A prefill without cached context given its own K/V rows, on a GPU of compute
-        # capability 9.x with Triton 3.6: the Gluon kernel of ``hopper_prefill.py`` (a TMA
-        # loader warp, two consumer warpgroups, the softmax overlapping ``P @ V``, one
-        # persistent program per multiprocessor). On an H100, 8 x 2048 causal (32 / 8
-        # heads, head size 128, bf16), medians of 4 interleaved rounds: 463 TFLOP/s with
-        # 2 stages, 467 with 3 (within the rounds' 4-8 % spread), 427 with a program per
-        # (query tile, head), against 371 for ``prefill_launch``'s tiles on the same rows
-        # and 489 for cuDNN.
-        self.hopper_prefill = True
-        self.hopper_prefill_stages = 2
-        self.hopper_prefill_heads_first = True
-        # Decodes reading the pages whose programs fit one wave (requests x KV heads at
-        # most one per multiprocessor), on the same GPUs and Triton, without a sliding
-        # window or soft cap: the Gluon kernel of ``hopper_decode.py`` (a TMA loader warp
-        # keeping ``num_stages`` K/V tiles of ``block_n`` keys in flight, a consumer of
-        # ``num_warps`` warps), split to fill one wave. On an H100 (graph replay, L2
-        # cleared, block 128 / 16): 2 stages took 23.0 / 23.1 us at 16 x 512 against
-        # 23.6 / 24.1 with 4 and 24.0 / 24.6 with 6 (the portable kernel: 24.6 / 25.6; best
-        # SDPA 23.1); at 64 x 4096 (four waves) it was slower than the portable kernel
-        # (372 / 379 against 368 / 370 us); ``pdl`` (as for ``decode_launch``) slowed split
-        # decodes (1 x 4096: 18.0 / 17.5 -> 19.7 / 19.3 us; 4 x 4096: 39.9 / 40.0 ->
-        # 44.1 / 44.4) and left 16 x 512 unchanged, so it is off.
-        self.hopper_decode = True
-        self.hopper_decode_launch: dict[str, int] = {
+        # Pages smaller than a K/V tile of ``prefill_launch``: keys are gathered row by
+        # row, and tiles of one warpgroup with a shallower pipeline do better.
+        self.prefill_launch_small_pages: dict[str, int] = {
+            "block_m": 64,
             "block_n": 64,
             "num_warps": 4,
             "num_stages": 2,
-            "pdl": 0,
         }
-        # Pages smaller than a K/V tile of ``prefill_launch``: keys are gathered row by
-        # row, and tiles of one warpgroup with a shallower pipeline did better on an H100.
-        self.prefill_launch_small_pages: dict[str, int] = {
-            "block_m": 64,
+        # The Gluon kernels, on GPUs of compute capability 9.x with Triton 3.6: a prefill
+        # without cached context over its own K/V rows (``hopper_prefill.py``), and decodes
+        # whose programs fit one wave, without a sliding window or soft cap
+        # (``hopper_decode.py``: ``num_stages`` K/V tiles of ``block_n`` keys in flight,
+        # a consumer of ``num_warps`` warps).
+        self.hopper_prefill = True
+        self.hopper_prefill_stages = 2
+        self.hopper_decode = True
+        self.hopper_decode_launch: dict[str, int] = {
             "block_n": 64,
             "num_warps": 4,
             "num_stages": 2,
@@ -309,7 +293,6 @@ class TritonProvider(AttentionProvider):
             causal=spec.causal,
             lse=lse,
             stages=self.hopper_prefill_stages,
-            heads_first=self.hopper_prefill_heads_first,
         )
         return True
 
@@ -348,7 +331,6 @@ class TritonProvider(AttentionProvider):
             stages=self.hopper_decode_launch["num_stages"],
             block_n=self.hopper_decode_launch["block_n"],
             num_warps=self.hopper_decode_launch["num_warps"],
-            pdl=bool(self.hopper_decode_launch.get("pdl")),
         )
         return True
 

@@ -24,11 +24,7 @@ checks the device (compute capability 9.x).
 
 import torch
 
-from npu_attention.providers.triton_kernels.paged_attention import (
-    merge_splits,
-    pdl_supported,
-    split_buffers,
-)
+from npu_attention.providers.triton_kernels.paged_attention import merge_splits, split_buffers
 from npu_attention.providers.triton_kernels.utils import nvmma_shared_layout
 
 try:
@@ -128,7 +124,6 @@ def hopper_decode(
     stages: int = 2,
     block_n: int = 64,
     num_warps: int = 4,
-    pdl: bool = False,
 ) -> None:
     """Decode attention of each request's query tokens over its cached keys, into ``out``.
 
@@ -142,8 +137,6 @@ def hopper_decode(
             new tokens); block_tables: int32 ``[num_reqs, max_blocks]``; all on the device.
         num_splits: programs along each request's keys; their partial results are
             merged by a second kernel.
-        pdl: launch this kernel and the merge with programmatic dependent launch (each
-            may start while the kernel before it finishes) where the GPU has it.
         lse: optional float32 ``[>= tokens, heads]``: each real row's natural-log
             log-sum-exp, ``-inf`` for a row that sees no key.
         stages: K/V tiles in flight, at most :func:`max_stages`.
@@ -169,7 +162,6 @@ def hopper_decode(
     partial_out, partial_lse = split_buffers(out, num_splits, head_size) if split else (out, out)
     write_lse = lse is not None and not split
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
-    pdl = pdl and pdl_supported(query.device)
     _hopper_decode_kernel[(num_reqs, num_kv_heads, num_splits)](
         query,
         k_desc,
@@ -196,14 +188,10 @@ def hopper_decode(
         STAGES=min(stages, max_stages(head_size, block_n)),
         SPLIT=split,
         WRITE_LSE=write_lse,
-        PDL=pdl,
         num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}),
     )
     if split:
-        merge_splits(
-            out, partial_out, partial_lse, lse, cu_seqlens_q, num_reqs, num_splits, pdl=pdl
-        )
+        merge_splits(out, partial_out, partial_lse, lse, cu_seqlens_q, num_reqs, num_splits)
 
 
 def _page_descriptor(cache: torch.Tensor, page_rows: int, dtype) -> "TensorDescriptor":
@@ -221,13 +209,6 @@ def _page_descriptor(cache: torch.Tensor, page_rows: int, dtype) -> "TensorDescr
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _grid_dependency(instruction: gl.constexpr):
-        """One ``griddepcontrol`` instruction (programmatic dependent launch)."""
-        gl.inline_asm_elementwise(
-            instruction + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
 
     @aggregate
     class _Shape:
@@ -462,11 +443,8 @@ if HAVE_GLUON:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_bt, qk_scale,
         NUM_HEADS: gl.constexpr, QUERIES_PER_KV: gl.constexpr, ROWS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, PDL: gl.constexpr,
+        STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
     ):  # fmt: skip
-        if PDL:  # launched early: wait for the kernel before this one, let the next one start
-            _grid_dependency("griddepcontrol.wait;")
-            _grid_dependency("griddepcontrol.launch_dependents;")
         HEAD: gl.constexpr = k_desc.block_type.shape[1]
         PIECES: gl.constexpr = BLOCK_N // k_desc.block_type.shape[0]
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD], k_desc.layout)

@@ -10,8 +10,8 @@ kernel orders the work itself, in the way FlashAttention-3 does on Hopper:
   the next tile's scores (``Q @ K^T``) and this tile's ``P @ V`` as asynchronous
   warpgroup MMAs and computes the softmax while the ``P @ V`` runs;
 - the grid is persistent, a program per multiprocessor going through (query tile,
-  head) pairs, longest first: the loader fetches the next pair's tiles while the
-  consumers finish the current one.
+  head) pairs, longest first and every head of a query tile in turn: the loader
+  fetches the next pair's tiles while the consumers finish the current one.
 
 It covers what a prefill without cached context needs: causal or not, any number of
 requests packed along the token axis (varlen), GQA, head sizes 64/128/256 (16-bit),
@@ -88,8 +88,6 @@ def hopper_prefill(
     causal: bool = True,
     lse: torch.Tensor | None = None,
     stages: int = 2,
-    heads_first: bool = True,
-    persistent: bool = True,
 ) -> None:
     """Attention of each request's queries over its own keys, written into ``out``.
 
@@ -103,11 +101,6 @@ def hopper_prefill(
             row's scaled scores.
         stages: K/V tiles in flight: 2 or 3 (3 needs 224 KB of shared memory at head
             size 128; head size 256 always takes 2).
-        heads_first: order of the (query tile, head) pairs, last tiles of each request
-            first: ``True``: every head of one query tile, then the next tile;
-            ``False``: a head's query tiles one after another, then the next head.
-        persistent: a program per multiprocessor walking its pairs; ``False``: a
-            program per pair (slower on an H100, kept for comparison).
 
     The caller checks :func:`hopper_prefill_supported`. Rows past
     ``cu_seqlens_q[-1]`` are left untouched.
@@ -127,7 +120,7 @@ def hopper_prefill(
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     num_slots = num_tokens // BLOCK_M + num_reqs
     num_pairs = num_slots * num_heads
-    grid = (min(num_pairs, multiprocessor_count(query.device)) if persistent else num_pairs,)
+    grid = (min(num_pairs, multiprocessor_count(query.device)),)
     _hopper_prefill_kernel[grid](
         q_desc,
         k_desc,
@@ -147,7 +140,6 @@ def hopper_prefill(
         STAGES=stages,
         CAUSAL=causal,
         WRITE_LSE=write_lse,
-        HEADS_FIRST=heads_first,
         num_warps=4,
         maxnreg=168,
     )
@@ -177,14 +169,12 @@ if HAVE_GLUON:
 
         causal: gl.constexpr
         write_lse: gl.constexpr
-        heads_first: gl.constexpr
         queries_per_kv: gl.constexpr
 
         @gluon.constexpr_function
-        def __init__(self, causal, write_lse, heads_first, queries_per_kv):
+        def __init__(self, causal, write_lse, queries_per_kv):
             self.causal = gl.constexpr(causal)
             self.write_lse = gl.constexpr(write_lse)
-            self.heads_first = gl.constexpr(heads_first)
             self.queries_per_kv = gl.constexpr(queries_per_kv)
 
     @gluon.jit
@@ -205,19 +195,14 @@ if HAVE_GLUON:
     def _work(
         pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-        HEADS_FIRST: gl.constexpr,
     ):  # fmt: skip
         """Where (query tile, head) pair ``pair`` lies: whether the tile holds rows of
         its request, the request's first token and length, the tile within the request
         (in blocks of ``BLOCK_M``), the head, the key tiles to visit and how many of
         them, leading, need no mask. Last tiles of a request see the most keys: they
-        come first."""
-        if HEADS_FIRST:
-            tile_slot = num_slots - 1 - pair // num_heads
-            head = pair % num_heads
-        else:
-            tile_slot = num_slots - 1 - pair % num_slots
-            head = pair // num_slots
+        come first, every head of a tile in turn."""
+        tile_slot = num_slots - 1 - pair // num_heads
+        head = pair % num_heads
         req = _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_M)
         q_start = gl.load(cu_seqlens_q_ptr + req)
         q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
@@ -249,7 +234,7 @@ if HAVE_GLUON:
         for pair in range(gl.program_id(0), num_pairs, gl.num_programs(0)):
             valid, q_start, _, q_tile, head, num_tiles, _ = _work(
                 pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
-                2 * rows, block_n, flags.causal, flags.heads_first,
+                2 * rows, block_n, flags.causal,
             )  # fmt: skip
             if valid:
                 kv_col = (head // QUERIES_PER_KV) * HEAD
@@ -306,7 +291,7 @@ if HAVE_GLUON:
         for pair in range(gl.program_id(0), num_pairs, gl.num_programs(0)):
             valid, q_start, q_len, q_tile, head, num_tiles, num_full = _work(
                 pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
-                2 * rows, block_n, flags.causal, flags.heads_first,
+                2 * rows, block_n, flags.causal,
             )  # fmt: skip
             if valid:
                 mbarrier.wait(q_ready.index(half), done & 1)
@@ -422,7 +407,7 @@ if HAVE_GLUON:
         q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, num_reqs, num_slots,
         num_pairs, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
         QUERIES_PER_KV: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, HEADS_FIRST: gl.constexpr,
+        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
     ):  # fmt: skip
         rows: gl.constexpr = q_desc.block_type.shape[0]
         block_n: gl.constexpr = k_desc.block_type.shape[0]
@@ -445,7 +430,7 @@ if HAVE_GLUON:
             mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
             mbarrier.init(v_empty.index(i), count=2)
         bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
-        flags = _Flags(CAUSAL, WRITE_LSE, HEADS_FIRST, QUERIES_PER_KV)
+        flags = _Flags(CAUSAL, WRITE_LSE, QUERIES_PER_KV)
         first_consumer_args = (
             q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
             cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
