@@ -184,10 +184,14 @@ def ascend_conformance(session: nox.Session) -> None:
 @nox.session
 @discarding_venv
 def lint(session: nox.Session) -> None:
-    """ruff over the whole tree."""
-    session.install("ruff>=0.6")
+    """ruff over the whole tree; import-linter's layering contracts (pyproject.toml)."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # import-linter reads the packages' sources where they are installed; their
+    # dependencies (torch, vLLM) are not needed to read imports.
+    session.install("--no-deps", *(str(package.path) for package in Package))
+    session.run("lint-imports", "--no-cache")
 
 
 @nox.session(venv_params=["--system-site-packages"] if HAS_NPU else [])
