@@ -25,7 +25,13 @@ def torch_npu_api(request: pytest.FixtureRequest) -> TorchNpuApi:
     A failed download fails the tests: these checks must really run in CI.
     """
     configured = os.environ.get(WHEEL_DIR_ENV)
-    dest = Path(configured) if configured else request.config.cache.mkdir("torch-npu-wheel")
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    if configured:
+        dest = Path(configured)
+    elif cache is not None:
+        dest = cache.mkdir("torch-npu-wheel")
+    else:
+        raise pytest.UsageError(f"pytest's cache is off: set {WHEEL_DIR_ENV} to a wheel folder")
     dest.mkdir(parents=True, exist_ok=True)
     return read_wheel(download_wheel(dest))
 
