@@ -57,22 +57,17 @@ class TritonMLAProvider(ReferenceMLAProvider):
     returns_lse: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        # Up to 64 query heads per program, as many as keep a program within 64 rows
-        # (heads x query tokens): each program reads the latents once for its heads. On
-        # an H100 with 128 heads at 4096 tokens, 64 heads (8 warps) took 480 us at batch
-        # 64 and 1781 us at batch 256, against 702 and 3370 us with 16 heads a program.
-        # Programs of 64 rows ran about twice as fast with 8 warps as with 4 (16 heads
-        # x 4 tokens at batch 64: 257 against 505 us), those of 32 rows or fewer slower.
+        # The settings taken after measuring on an H100; benchmarks/README.md lists the
+        # alternatives tried. Up to 64 query heads per program, as many as keep a program
+        # within 64 rows (heads x query tokens): each program reads the latents once for
+        # its heads.
         self.block_h = 64
         self.max_rows = 64
         self.block_n = 32
         self.num_warps = 4
         self.num_stages = 2
-        # On an H100 (16 or 128 heads, 1-256 requests of 1024-16384 tokens), the best
-        # split count of every case measured was the most that keeps the programs within
-        # ``target_waves`` waves, in shares of at least 64 tokens (1 x 4096: 64 splits,
-        # 17.6 us, against 29.4 with 256-token shares; 64 x 4096: 4 splits, 130 us,
-        # against 176 with one program more than two waves per multiprocessor).
+        # Split counts: the most that keeps the programs within ``target_waves`` waves,
+        # in shares of at least 64 tokens.
         self.min_tokens_per_split = 64
         self.target_waves = 2
         self.fixed_kv_splits: int | None = None
