@@ -21,6 +21,11 @@ class PlanBuffers:
     its last value, ``seq_lens`` and ``context_lens`` are 0, ``slot_mapping`` is
     -1, and block-table columns past the step's width are 0.
 
+    Not used by the vLLM bridge today (it hands ``plan`` vLLM's own device lengths as
+    ``device_lengths`` and refreshes captured step state through npu-graphs' updatable
+    tasks); for engines that capture device graphs over step state they do not already
+    keep at fixed addresses.
+
     Attributes:
         meta: int32 ``[3 * max_num_reqs + 1]``: ``cu_seqlens_q | seq_lens | context_lens``.
         block_tables: int32 ``[max_num_reqs, max_blocks_per_req]``.

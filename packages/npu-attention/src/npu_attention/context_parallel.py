@@ -75,7 +75,10 @@ def dcp_local_seq_lens(
 
 
 def dcp_owner(positions: Any, dcp_size: int, interleave_size: int = 1) -> np.ndarray:
-    """The DCP rank that keeps each token position: ``(p // I) % N``."""
+    """The DCP rank that keeps each token position: ``(p // I) % N``.
+
+    Not used by the vLLM bridge today (vLLM computes each rank's slot mapping); for
+    engines that shard the KV cache themselves, and for tests."""
     _check_sizes(dcp_size, interleave_size)
     pos = _inputs.as_host_array(positions, "positions")
     return pos // interleave_size % dcp_size
@@ -83,7 +86,7 @@ def dcp_owner(positions: Any, dcp_size: int, interleave_size: int = 1) -> np.nda
 
 def dcp_local_positions(positions: Any, dcp_size: int, interleave_size: int = 1) -> np.ndarray:
     """Each token position's index among its owner's tokens of the same request:
-    ``(p // (N * I)) * I + p % I``."""
+    ``(p // (N * I)) * I + p % I``. Not used by the vLLM bridge today (see ``dcp_owner``)."""
     _check_sizes(dcp_size, interleave_size)
     pos = _inputs.as_host_array(positions, "positions")
     return pos // (dcp_size * interleave_size) * interleave_size + pos % interleave_size
@@ -104,6 +107,7 @@ def dcp_slot_mapping(
     ``block_tables[i, p // (B * N)] * B + local % B`` with ``local`` its
     ``dcp_local_positions`` index (vLLM 0.32's slot mapping under DCP: a request's
     block-table entry ``k`` covers the ``B * N`` positions of "virtual block" ``k``).
+    Not used by the vLLM bridge today (see ``dcp_owner``).
 
     Args:
         positions, request_of_token: host ``[num_tokens]`` ints.
@@ -266,6 +270,8 @@ def merge_attention_states(
 
 
 # ------------------------------------------------------------------ PCP
+# Not used by the vLLM bridge today (it does not take prefill context parallelism);
+# for engines that split prefills over ranks as vLLM 0.32 does.
 
 
 @dataclass(frozen=True)
@@ -294,7 +300,8 @@ def pcp_query_chunks(
     (the last ones shorter or empty) and rank ``r`` takes chunks ``r`` and
     ``2P - 1 - r``; decodes, and with ``dcp_size > 1`` prefills whose last chunk is
     empty (``(2P - 1) * ceil(q / 2P) >= q``), are computed whole on every rank.
-    Chunks are listed decodes first, then by request and offset.
+    Chunks are listed decodes first, then by request and offset. Not used by the
+    vLLM bridge today.
     """
     if pcp_size < 1:
         raise ValueError(f"pcp_size must be >= 1, got {pcp_size}")
@@ -325,7 +332,7 @@ def pcp_local_batch(
     """Rank ``rank``'s local batch under PCP (see ``pcp_query_chunks``): plan it with
     ``plan(batch.cu_seqlens_q, batch.seq_lens, block_tables[batch.request], None,
     batch.num_decodes, spec)`` over the full cache, feed it ``query[batch.tokens]``,
-    and put its output rows back at ``batch.tokens``."""
+    and put its output rows back at ``batch.tokens``. Not used by the vLLM bridge today."""
     cu = _inputs.as_host_array(cu_seqlens_q, "cu_seqlens_q")
     seq = _inputs.as_host_array(seq_lens, "seq_lens")
     query_lens = _inputs.check_cu_seqlens(cu, seq)

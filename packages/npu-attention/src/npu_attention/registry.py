@@ -51,7 +51,10 @@ def _tables(family: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]], di
 def register_provider(
     name: str, target: str, device_types: tuple[str, ...] = (), *, family: str = "attention"
 ) -> None:
-    """Register ``"module:Class"`` under ``name`` in ``family``; prefer it for ``device_types``."""
+    """Register ``"module:Class"`` under ``name`` in ``family``; prefer it for ``device_types``.
+
+    Not used by the vLLM bridge today; for engines that bring a provider of their own
+    (and for tests that swap one in)."""
     lazy, preference, instances = _tables(family)
     lazy[name] = target
     instances.pop(name, None)
@@ -61,7 +64,8 @@ def register_provider(
 
 
 def available_providers(family: str = "attention") -> tuple[str, ...]:
-    """Names of every registered provider of ``family`` (whether or not it imports here)."""
+    """Names of every registered provider of ``family`` (whether or not it imports here).
+    Not used by the vLLM bridge today."""
     return tuple(_tables(family)[0])
 
 

@@ -76,7 +76,10 @@ def latent_cache_planes(storage: torch.Tensor, spec: MLASpec) -> LatentCache:
 def allocate_latent_cache(
     num_blocks: int, spec: MLASpec, device: torch.device | str = "cpu"
 ) -> LatentCache:
-    """A zeroed cache of ``num_blocks`` pages as two contiguous planes of one allocation."""
+    """A zeroed cache of ``num_blocks`` pages as two contiguous planes of one allocation.
+
+    Not used by the vLLM bridge today (vLLM allocates the cache; the bridge takes views
+    of it); for engines that own their cache, and for tests."""
     storage = torch.zeros(
         num_blocks * spec.block_size * spec.latent_dim, dtype=spec.dtype, device=device
     )
