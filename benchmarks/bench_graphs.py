@@ -133,8 +133,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         timed(backend, replay, args.warmup)
         graph_s = timed(backend, replay, args.steps)
         update_s = _update_host_time(backend, registry, n, steps[n], args.steps)
-        same = [steps[n][0]] * 2
-        unchanged_s = _update_host_time(backend, registry, n, same, args.steps)
         seconds, nbytes = capture[n]
         rows.append(
             {
@@ -143,7 +141,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "graph_us": graph_s * 1e6,
                 "speedup": eager_s / graph_s,
                 "update_us": update_s * 1e6,
-                "update_same_us": unchanged_s * 1e6,
                 "capture_ms": seconds * 1e3,
                 "capture_mib": nbytes / 2**20,
             }
@@ -197,7 +194,6 @@ def main() -> None:
         "graph_us",
         "speedup",
         "update_us",
-        "update_same_us",
         "capture_ms",
         "capture_mib",
     ]

@@ -93,7 +93,7 @@ def test_every_update_reissues_and_a_replay_runs_the_last(backend, device):
 
 
 def test_baked_values_compare_by_value_inside_nested_values():
-    from npu_graphs.graph_tasks import baked_copy, same_value
+    from npu_graphs.tasks import baked_copy, same_value
 
     step = {
         "seq_lens": [3, 1],

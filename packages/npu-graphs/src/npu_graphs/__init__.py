@@ -22,7 +22,6 @@ from npu_graphs._version import __version__
 from npu_graphs.backends import GraphBackend, available_backends, get_backend, register_backend
 from npu_graphs.capture import CaptureReport, capture_all
 from npu_graphs.errors import GraphCaptureError, GraphReplayError, TaskUpdateError
-from npu_graphs.graph_tasks import TaskIssue, UpdatableTask
 from npu_graphs.manager import BatchDescriptor, FullGraphManager, StepDispatch
 from npu_graphs.modes import DispatchState, RuntimeMode, current_dispatch, graph_dispatch
 from npu_graphs.planner import (
@@ -32,7 +31,7 @@ from npu_graphs.planner import (
     graphs_within_stream_budget,
     plan_capture,
 )
-from npu_graphs.tasks import TaskRegistry, call_task
+from npu_graphs.tasks import TaskIssue, TaskRegistry, UpdatableTask, call_task
 from npu_graphs.ubatch import MicroBatchContext, MicroBatchRunner
 from npu_graphs.wrapper import (
     GraphEntry,

@@ -16,8 +16,7 @@ class GraphCounters:
             pieces between attention layers; attention runs eagerly between them).
         replayed_pieces: PIECEWISE piece replays.
         task_updates: FULL replays preceded by a re-issue of the attention tasks
-            with the step's plan (a replay whose step equals the previous one
-            needs none).
+            with the step's plan.
         eager_steps: model forwards that ran without a graph (a size with no graph,
             a mixed batch under FULL_DECODE_ONLY); only counted with graphs on.
         capture_bytes: memory the captured graphs hold (backend's own accounting:
