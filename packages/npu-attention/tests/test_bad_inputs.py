@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from npu_attention import AttentionSpec, PlanBuffers, get_provider, plan, registry, run
+from npu_attention import (
+    AttentionSpec,
+    PlanBuffers,
+    get_provider,
+    plan,
+    registry,
+    run,
+    supported_head_sizes,
+)
 from npu_attention.providers.base import AttentionProvider
 from npu_attention.providers.reference import ReferenceProvider
 from npu_attention.registry import register_provider
@@ -40,16 +48,12 @@ def test_head_size_any_provider_lacks_is_a_valid_spec() -> None:
 
 @pytest.mark.parametrize("provider", ["reference", "triton", "ascend"])
 def test_supported_head_sizes_are_declared_per_provider(provider: str) -> None:
-    from npu_attention import supported_head_sizes
-
     sizes = supported_head_sizes(provider)
     assert sizes == registry._provider_class(provider).head_sizes
     assert 64 in sizes and 48 not in sizes
 
 
 def test_supported_head_sizes_by_device_and_refusals() -> None:
-    from npu_attention import supported_head_sizes
-
     assert supported_head_sizes(device="cpu") == supported_head_sizes("reference")
     with pytest.raises(ValueError, match="unknown attention provider 'nope'"):
         supported_head_sizes("nope")

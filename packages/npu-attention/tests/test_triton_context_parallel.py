@@ -20,7 +20,7 @@ from triton_interpreter import DEVICE, HAS_CUDA
 
 from npu_attention import AttentionSpec, PlanBuffers, plan, plan_context, run
 from npu_attention.context_parallel import dcp_local_seq_lens
-from npu_attention.providers.triton import TritonProvider
+from npu_attention.providers.triton import TritonProvider, TritonStepData
 
 pytest.importorskip("triton")
 
@@ -262,8 +262,6 @@ def test_gpu_lse_matches_float64_oracle(state: str, dtype: torch.dtype, block_si
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_gpu_split_decode_lse(num_kv_splits: int, block_size: int) -> None:
     """Forced splits, some of them empty for the short requests, merged with their LSE."""
-    from npu_attention.providers.triton import TritonStepData
-
     spec = _gpu_spec(torch.bfloat16, block_size)
     case = make_case(spec, [1] * 4, [700, 3, 0, 260], 4, seed=12, pad_tokens=2, device="cuda")
     paged = case.paged(np.random.default_rng(12))
@@ -303,8 +301,6 @@ def test_gpu_plan_context_graph_replay_reads_refreshed_rank_lengths(num_kv_split
     """A CUDA graph of a rank's context attention (LSE included), captured for 4 decodes
     in fixed buffers, replayed after the next step of 2 decodes is planned into them:
     equal to that step run eagerly, padded requests untouched, no host sync in run."""
-    from npu_attention.providers.triton import TritonStepData
-
     spec, rank, dcp_size = _gpu_spec(torch.bfloat16), 1, 2
     real = make_case(spec, [1, 1], [300, 41], 2, seed=13, device="cuda")
     paged = real.paged(np.random.default_rng(13))
