@@ -80,29 +80,51 @@ def test_eager_matches_transformers_and_cpu_attn(references, tmp_path):
     assert result["counters"]["captured"] == 0 and result["counters"]["replayed_steps"] == 0
 
 
+FULL_DECODE_1_2_4 = {
+    "cudagraph_mode": "FULL_DECODE_ONLY",
+    "cudagraph_capture_sizes": [1, 2, 4],
+}
+
+
 def test_full_decode_graphs_match_and_are_captured_replayed_and_updated(references, tmp_path):
     model, hf, cpu_attn = references
-    # FULL graphs for decode sizes 1, 2 and 4: the 6-request decode steps have no
-    # graph and run eagerly, as do prefills; smaller decodes replay after a task update.
+    # FULL graphs for decode sizes 1, 2 and 4, captured at start-up as on the NPU: the
+    # 6-request decode steps have no graph and run eagerly, as do prefills; smaller
+    # decodes replay after a task update.
     result = run_engine(
         model,
         ROUNDS,
         bridge=True,
         tmp_path=tmp_path,
         enforce_eager=False,
-        compilation_config={
-            "cudagraph_mode": "FULL_DECODE_ONLY",
-            "cudagraph_capture_sizes": [1, 2, 4],
-        },
+        compilation_config=FULL_DECODE_1_2_4,
+        host_platform={"capture_on_first_use": False},
     )
     _check_same_tokens(result["tokens"], hf, cpu_attn)
     counters = result["counters"]
     assert counters["captured"] == 3, counters
+    assert counters["off_grid_steps"] > 0, counters  # the 6-request decodes
     assert counters["replayed_steps"] > 0, counters
     assert counters["task_updates"] == counters["replayed_steps"], counters
     assert counters["eager_steps"] > 0, counters
     assert counters["piecewise_steps"] == 0, counters
     assert counters["capture_bytes"] > 0, counters
+
+
+def test_graphs_captured_at_first_use_match_and_cover_only_the_steps_seen(references, tmp_path):
+    """Host mode's default: no graph at start-up; each key at the first step that needs it."""
+    model, hf, cpu_attn = references
+    result = run_engine(
+        model, ROUNDS, bridge=True, tmp_path=tmp_path, enforce_eager=False,
+        compilation_config=FULL_DECODE_1_2_4,
+    )  # fmt: skip
+    _check_same_tokens(result["tokens"], hf, cpu_attn)
+    counters = result["counters"]
+    assert 0 < counters["captured"] <= 3, counters
+    assert counters["capture_seconds"] > 0 and counters["capture_bytes"] > 0, counters
+    assert counters["replayed_steps"] > 0, counters
+    assert counters["task_updates"] == counters["replayed_steps"], counters
+    assert counters["off_grid_steps"] > 0, counters
 
 
 def test_full_and_piecewise_graphs_match(references, tmp_path):

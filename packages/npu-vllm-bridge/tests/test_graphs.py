@@ -319,3 +319,30 @@ def test_replayed_metadata_must_be_per_layer():
     assert per_layer_metadata({"a": one})["a"] is one
     with pytest.raises(ValueError, match=r"layer_name: metadata.*got list"):
         per_layer_metadata([{"a": one}])
+
+
+def test_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypatch):
+    from vllm.config import CompilationConfig
+
+    from npu_vllm_bridge.graphs import wrapper as wrapper_module
+
+    largest = 4
+    config = VllmConfig(
+        compilation_config=CompilationConfig(
+            cudagraph_capture_sizes=[1, 2, largest], max_cudagraph_capture_size=largest
+        )
+    )
+    wrapper = BridgeGraphWrapper(
+        lambda x: x * 2, config, CUDAGraphMode.FULL, num_attention_layers=0, graph_backend="host"
+    )
+    warnings = []
+    monkeypatch.setattr(wrapper_module.logger, "warning", lambda *args: warnings.append(args))
+    reset_graph_counters()
+    x = torch.ones(3)
+    for num_tokens in (largest + 4, largest, largest + 8):
+        key = BatchDescriptor(num_tokens=num_tokens)
+        with set_forward_context({}, config, batch_descriptor=key):  # NONE: runs eagerly
+            torch.testing.assert_close(wrapper(x), x * 2)
+    counters = graph_counters()
+    assert counters.eager_steps == 3 and counters.off_grid_steps == 2, counters
+    assert len(warnings) == 1 and warnings[0][1:] == (largest + 4, largest), warnings

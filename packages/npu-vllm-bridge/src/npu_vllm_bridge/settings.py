@@ -30,12 +30,16 @@ class BridgeSettings:
         capture_longest_context: whether captures plan the longest context a block
             table addresses (an NPU task's workspace must cover every replay); host
             graphs re-run their tasks with each step's plan and need not.
+        capture_on_first_use: capture each batch size's graphs the first time a step
+            of that size runs, instead of all of them at start-up (host graphs: start-up
+            at vLLM's default 256 requests would record 1616 graphs first).
     """
 
     attention_provider: str | None = None
     kv_cache_split: str = "packed"
     graph_backend: str | None = None
     capture_longest_context: bool = True
+    capture_on_first_use: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_split not in KV_CACHE_SPLITS:

@@ -19,10 +19,12 @@ class GraphCounters:
             with the step's plan.
         eager_steps: model forwards that ran without a graph (a size with no graph,
             a mixed batch under FULL_DECODE_ONLY); only counted with graphs on.
+        off_grid_steps: those of them larger than the largest graph size (the first
+            one is logged).
         capture_bytes: memory the captured graphs hold (backend's own accounting:
             what each graph keeps plus the pool their replays share).
         estimated_bytes: the graph memory estimated before the KV cache was sized.
-        capture_seconds: wall time of the start-up capture.
+        capture_seconds: wall time of the captures (at start-up, or at first use).
         draft_captured: FULL graphs of the drafter's own forwards captured (also in
             ``captured``).
         draft_replayed_steps: drafter forwards served by replaying its FULL graphs.
@@ -37,6 +39,7 @@ class GraphCounters:
     replayed_pieces: int = 0
     task_updates: int = 0
     eager_steps: int = 0
+    off_grid_steps: int = 0
     capture_bytes: int = 0
     estimated_bytes: int = 0
     capture_seconds: float = 0.0

@@ -23,6 +23,7 @@ from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.draft_graphs import DraftGraphs, install_draft_graphs
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name, live_wrappers
+from npu_vllm_bridge.settings import current_settings
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -58,17 +59,28 @@ class GraphRunnerMixin:
 
     def capture_model(self) -> int:
         """Capture every (mode, batch descriptor) vLLM's dispatcher will replay,
-        largest first, with a progress bar; returns the bytes the graphs hold."""
+        largest first, with a progress bar; returns the bytes the graphs hold. With
+        ``capture_on_first_use`` only the drafter's graphs are captured here; the
+        model's are captured by the wrapper at the first step of each key."""
         groups = self.cudagraph_dispatcher.get_capture_descs()
         if self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE or not groups:
             return 0
         backend = get_backend(graph_backend_name())
         held = seconds = 0.0
         num_graphs = sum(len(descs) for _, descs in groups)
+        lazy = current_settings().capture_on_first_use
+        if lazy:
+            logger.info(
+                "The model's %d %s graph keys are captured at their first step "
+                "(capture_on_first_use)",
+                num_graphs,
+                self.compilation_config.cudagraph_mode.name,
+            )
+            num_graphs = 0
         set_cudagraph_capturing_enabled(True)
         try:
             with torch.inference_mode():
-                for runtime_mode, descs in groups:
+                for runtime_mode, descs in [] if lazy else groups:
                     report = self._capture_group(backend, runtime_mode, descs)
                     held += report.memory_bytes
                     seconds += report.seconds
@@ -81,21 +93,23 @@ class GraphRunnerMixin:
         finally:
             set_cudagraph_capturing_enabled(False)
         own, pool = backend.memory_breakdown()
-        logger.info(
-            "Captured %d %s graphs (%s) in %.1f s: they hold %.2f MiB (%.2f MiB of their own, "
-            "%.2f MiB of shared pool)",
-            num_graphs,
-            backend.name,
-            self.compilation_config.cudagraph_mode.name,
-            seconds,
-            held / 2**20,
-            own / 2**20,
-            pool / 2**20,
-        )
+        if num_graphs:
+            logger.info(
+                "Captured %d %s graphs (%s) in %.1f s: they hold %.2f MiB (%.2f MiB of their "
+                "own, %.2f MiB of shared pool)",
+                num_graphs,
+                backend.name,
+                self.compilation_config.cudagraph_mode.name,
+                seconds,
+                held / 2**20,
+                own / 2**20,
+                pool / 2**20,
+            )
         counters = graph_counters()
         counters.capture_bytes += int(held)
         counters.capture_seconds += seconds
-        counters.eager_steps = 0  # the capture's warm-up forwards are not steps
+        # The capture's warm-up forwards are not steps.
+        counters.eager_steps = counters.off_grid_steps = 0
         return int(held)
 
     def _capture_group(self, backend: GraphBackend, runtime_mode: CUDAGraphMode, descs: list):

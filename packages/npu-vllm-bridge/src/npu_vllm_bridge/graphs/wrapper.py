@@ -9,21 +9,26 @@ captured attention tasks with the step's plan.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
+from vllm.compilation import monitor
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
 
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, get_backend, graph_dispatch
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.settings import current_settings
+
+logger = init_logger(f"vllm.{__name__}")
 
 _RUNTIME_MODES = {
     CUDAGraphMode.FULL: RuntimeMode.FULL,
@@ -89,6 +94,7 @@ class BridgeGraphWrapper:
             if runtime_mode == CUDAGraphMode.FULL
             else None
         )
+        self.capture_on_first_use = current_settings().capture_on_first_use
         self.graphs = GraphWrapper(
             StageTensorsAdapter(runnable),
             backend=get_backend(graph_backend or graph_backend_name()),
@@ -113,7 +119,7 @@ class BridgeGraphWrapper:
         mode = context.cudagraph_runtime_mode
         if mode != self.runtime_mode:
             if self.counts_steps and mode == CUDAGraphMode.NONE:
-                graph_counters().eager_steps += 1
+                self._count_eager_step(context.batch_descriptor)
             return self.runnable(*args, **kwargs)
         key = context.batch_descriptor
         if key is None:
@@ -123,12 +129,41 @@ class BridgeGraphWrapper:
             self._before_replay(key, context.attn_metadata)
             with graph_dispatch(self.graph_mode, key):
                 return from_stage_tensors(self.graphs(*args, **kwargs))
-        validate_cudagraph_capturing_enabled()
+        return from_stage_tensors(self._capture(key, args, kwargs))
+
+    def _capture(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        """Capture ``key``: at start-up, or (``capture_on_first_use``) at its first step."""
+        at_start_up = monitor.cudagraph_capturing_enabled
+        if not self.capture_on_first_use:
+            validate_cudagraph_capturing_enabled()
+        start = time.perf_counter()
         with graph_dispatch(self.graph_mode, key):
             outputs = self.graphs(*args, **kwargs)
-        graph_counters().captured += 1
+        counters = graph_counters()
+        counters.captured += 1
         compilation_counter.num_cudagraph_captured += 1  # as vLLM's CUDAGraphWrapper counts
-        return from_stage_tensors(outputs)
+        if not at_start_up:  # start-up captures are counted by the runner
+            counters.capture_seconds += time.perf_counter() - start
+            counters.capture_bytes = self.graphs.backend.memory_in_use()
+        return outputs
+
+    def _count_eager_step(self, key: Any) -> None:
+        """Count a step that ran without graphs; warn once when its size is off the grid."""
+        counters = graph_counters()
+        counters.eager_steps += 1
+        num_tokens = getattr(key, "num_tokens", None)
+        largest = self.vllm_config.compilation_config.max_cudagraph_capture_size
+        if num_tokens is None or largest is None or num_tokens <= largest:
+            return
+        counters.off_grid_steps += 1
+        if counters.off_grid_steps == 1:
+            logger.warning(
+                "A step of %d tokens ran without graphs: the largest graph is for %d tokens "
+                "(max_cudagraph_capture_size). Further steps off the captured grid are "
+                "counted in graph_counters().off_grid_steps, not logged.",
+                num_tokens,
+                largest,
+            )
 
     def _before_replay(self, key: Any, attn_metadata: Any) -> None:
         counters = graph_counters()

@@ -42,6 +42,7 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         kv_cache_split="packed",
         graph_backend="host",
         capture_longest_context=False,
+        capture_on_first_use=True,
     )
 
     @classmethod
