@@ -338,6 +338,7 @@ def test_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypatch):
     warnings = []
     monkeypatch.setattr(wrapper_module.logger, "warning", lambda *args: warnings.append(args))
     reset_graph_counters()
+    graph_counters().serving = True  # as the runner sets it after start-up
     x = torch.ones(3)
     for num_tokens in (largest + 4, largest, largest + 8):
         key = BatchDescriptor(num_tokens=num_tokens)

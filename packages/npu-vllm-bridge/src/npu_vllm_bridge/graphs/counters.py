@@ -20,7 +20,7 @@ class GraphCounters:
         eager_steps: model forwards that ran without a graph (a size with no graph,
             a mixed batch under FULL_DECODE_ONLY); only counted with graphs on.
         off_grid_steps: those of them larger than the largest graph size (the first
-            one is logged).
+            one after start-up is logged).
         capture_bytes: memory the captured graphs hold (backend's own accounting:
             what each graph keeps plus the pool their replays share).
         estimated_bytes: the graph memory estimated before the KV cache was sized.
@@ -47,6 +47,7 @@ class GraphCounters:
     draft_replayed_steps: int = 0
     draft_task_updates: int = 0
     draft_other_forwards: int = 0
+    serving: bool = False  # start-up (profiling, capture) is over
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -110,6 +110,7 @@ class GraphRunnerMixin:
         counters.capture_seconds += seconds
         # The capture's warm-up forwards are not steps.
         counters.eager_steps = counters.off_grid_steps = 0
+        counters.serving = True
         return int(held)
 
     def _capture_group(self, backend: GraphBackend, runtime_mode: CUDAGraphMode, descs: list):

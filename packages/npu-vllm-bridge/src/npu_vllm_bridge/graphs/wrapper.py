@@ -156,7 +156,7 @@ class BridgeGraphWrapper:
         if num_tokens is None or largest is None or num_tokens <= largest:
             return
         counters.off_grid_steps += 1
-        if counters.off_grid_steps == 1:
+        if counters.serving and counters.off_grid_steps == 1:
             logger.warning(
                 "A step of %d tokens ran without graphs: the largest graph is for %d tokens "
                 "(max_cudagraph_capture_size). Further steps off the captured grid are "
