@@ -104,5 +104,5 @@ def platform_plugin() -> str | None:
     reason = npu_unavailable_reason()
     if reason is None:
         return NPU_PLATFORM
-    logger.debug("npu-vllm-bridge inactive: %s", reason)
+    logger.debug("no NPU platform (%s): vLLM picks its own", reason)
     return None

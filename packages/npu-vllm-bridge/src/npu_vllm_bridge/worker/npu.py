@@ -19,6 +19,7 @@ from vllm.v1.worker.utils import request_memory
 
 from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
+from npu_vllm_bridge.settings import PREFIX
 
 # torch.cuda names vLLM's GPU runner and worker call, and their torch.npu twins.
 _CUDA_TO_NPU = (
@@ -67,7 +68,7 @@ class NPUModelRunner(GraphRunnerMixin, GPUModelRunner):
             # vLLM would zero blocks by id in its packed page layout; the NPU pages
             # hold K and V planes instead.
             raise ValueError(
-                "npu-vllm-bridge does not support models whose KV cache vLLM zeroes by "
+                f"{PREFIX} does not support models whose KV cache vLLM zeroes by "
                 "block (Mamba layers or mixed-precision KV caches) on the NPU"
             )
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
