@@ -321,7 +321,9 @@ def test_replayed_metadata_must_be_per_layer():
         per_layer_metadata([{"a": one}])
 
 
-def test_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypatch):
+def test_decode_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypatch):
+    from types import SimpleNamespace
+
     from vllm.config import CompilationConfig
 
     from npu_vllm_bridge.graphs import wrapper as wrapper_module
@@ -340,10 +342,14 @@ def test_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypatch):
     reset_graph_counters()
     graph_counters().serving = True  # as the runner sets it after start-up
     x = torch.ones(3)
-    for num_tokens in (largest + 4, largest, largest + 8):
+    steps = [(largest + 4, 0), (largest, 0), (largest + 8, 0), (largest + 16, 1)]
+    for num_tokens, num_prefills in steps:
+        per_layer = {"layer": SimpleNamespace(plan=SimpleNamespace(num_prefills=num_prefills))}
         key = BatchDescriptor(num_tokens=num_tokens)
-        with set_forward_context({}, config, batch_descriptor=key):  # NONE: runs eagerly
+        with set_forward_context(per_layer, config, batch_descriptor=key):  # NONE: eager
             torch.testing.assert_close(wrapper(x), x * 2)
     counters = graph_counters()
-    assert counters.eager_steps == 3 and counters.off_grid_steps == 2, counters
+    # Every step ran eagerly; the two decodes above the grid are off it (a prefill that
+    # large runs eagerly by design), and only the first is logged.
+    assert counters.eager_steps == 4 and counters.off_grid_steps == 2, counters
     assert len(warnings) == 1 and warnings[0][1:] == (largest + 4, largest), warnings

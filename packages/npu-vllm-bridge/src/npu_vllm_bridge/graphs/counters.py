@@ -19,8 +19,8 @@ class GraphCounters:
             with the step's plan.
         eager_steps: model forwards that ran without a graph (a size with no graph,
             a mixed batch under FULL_DECODE_ONLY); only counted with graphs on.
-        off_grid_steps: those of them larger than the largest graph size (the first
-            one after start-up is logged).
+        off_grid_steps: those of them that were decode steps larger than the largest
+            graph size (the first one after start-up is logged).
         capture_bytes: memory the captured graphs hold (backend's own accounting:
             what each graph keeps plus the pool their replays share).
         estimated_bytes: the graph memory estimated before the KV cache was sized.

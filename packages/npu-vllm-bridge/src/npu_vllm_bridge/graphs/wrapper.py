@@ -119,7 +119,7 @@ class BridgeGraphWrapper:
         mode = context.cudagraph_runtime_mode
         if mode != self.runtime_mode:
             if self.counts_steps and mode == CUDAGraphMode.NONE:
-                self._count_eager_step(context.batch_descriptor)
+                self._count_eager_step(context.batch_descriptor, context.attn_metadata)
             return self.runnable(*args, **kwargs)
         key = context.batch_descriptor
         if key is None:
@@ -147,19 +147,23 @@ class BridgeGraphWrapper:
             counters.capture_bytes = self.graphs.backend.memory_in_use()
         return outputs
 
-    def _count_eager_step(self, key: Any) -> None:
-        """Count a step that ran without graphs; warn once when its size is off the grid."""
+    def _count_eager_step(self, key: Any, attn_metadata: Any) -> None:
+        """Count a step that ran without graphs; warn once for a decode step larger than
+        the largest graph (a prefill that large runs eagerly by design)."""
         counters = graph_counters()
         counters.eager_steps += 1
         num_tokens = getattr(key, "num_tokens", None)
         largest = self.vllm_config.compilation_config.max_cudagraph_capture_size
         if num_tokens is None or largest is None or num_tokens <= largest:
             return
+        if not is_decode_step(attn_metadata):
+            return
         counters.off_grid_steps += 1
         if counters.serving and counters.off_grid_steps == 1:
             logger.warning(
-                "A step of %d tokens ran without graphs: the largest graph is for %d tokens "
-                "(max_cudagraph_capture_size). Further steps off the captured grid are "
+                "A decode step of %d tokens ran without graphs: the largest graph is for %d "
+                "tokens; raise max_cudagraph_capture_size (or cudagraph_capture_sizes) to "
+                "cover max_num_seqs x (1 + num_speculative_tokens). Further such steps are "
                 "counted in graph_counters().off_grid_steps, not logged.",
                 num_tokens,
                 largest,
@@ -236,6 +240,14 @@ class StageTensorsAdapter:
         if runnable is None:
             raise AttributeError(name)
         return getattr(runnable, name)
+
+
+def is_decode_step(attn_metadata: Any) -> bool:
+    """Whether the step's plans hold decodes only (speculative verify steps included)."""
+    if not isinstance(attn_metadata, dict) or not attn_metadata:
+        return False
+    plan = getattr(next(iter(attn_metadata.values())), "plan", None)
+    return getattr(plan, "num_prefills", None) == 0
 
 
 def per_layer_metadata(attn_metadata: Any) -> dict[str, Any]:
