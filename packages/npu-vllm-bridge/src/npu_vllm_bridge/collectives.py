@@ -1,4 +1,4 @@
-"""Tensor-parallel all-reduce that host graphs record and replay.
+"""Collectives between host-mode ranks that host graphs record and replay.
 
 vLLM's CPU communicator reduces either through its shared-memory kernel
 (``torch.ops._C.shm_allreduce``, a custom op that reads only its arguments) or through
@@ -10,9 +10,10 @@ recorded whole. Both are then re-issued by every replay, in the order captured, 
 rank (ranks replay the same graphs step by step, as their eager steps run the same ops).
 
 Decode context parallelism exchanges tensors between the ranks of vLLM's DCP group in
-every attention layer (``attention/context_parallel.py``): ``dcp_all_gather_`` and
-``dcp_all_to_all_``, likewise one custom op each that writes its output in place and
-waits, recorded whole by host graphs.
+every attention layer (``attention/context_parallel.py``), and data-parallel MoE
+gathers and reduce-scatters every DP rank's tokens (``worker/host_communicator.py``):
+``host_all_gather_`` and ``host_all_to_all_``, likewise one custom op each that writes
+its output in place and waits, recorded whole by host graphs.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch.distributed as dist
 _GROUPS: dict[int, dist.ProcessGroup] = {}
 _LIB = torch.library.Library("npu_vllm_bridge", "FRAGMENT")
 _LIB.define("host_all_reduce_(Tensor(a!) tensor, int group) -> ()")
-_LIB.define("dcp_all_gather_(Tensor(a!) out, Tensor input, int group) -> ()")
-_LIB.define("dcp_all_to_all_(Tensor(a!) out, Tensor input, int group) -> ()")
+_LIB.define("host_all_gather_(Tensor(a!) out, Tensor input, int group) -> ()")
+_LIB.define("host_all_to_all_(Tensor(a!) out, Tensor input, int group) -> ()")
 
 
 def _host_all_reduce(tensor: torch.Tensor, group: int) -> None:
@@ -44,8 +45,8 @@ def _all_to_all(out: torch.Tensor, input: torch.Tensor, group: int) -> None:
 
 
 _LIB.impl("host_all_reduce_", _host_all_reduce, "CPU")
-_LIB.impl("dcp_all_gather_", _all_gather, "CompositeExplicitAutograd")
-_LIB.impl("dcp_all_to_all_", _all_to_all, "CompositeExplicitAutograd")
+_LIB.impl("host_all_gather_", _all_gather, "CompositeExplicitAutograd")
+_LIB.impl("host_all_to_all_", _all_to_all, "CompositeExplicitAutograd")
 
 
 def group_handle(group: dist.ProcessGroup) -> int:
@@ -56,13 +57,18 @@ def group_handle(group: dist.ProcessGroup) -> int:
 
 def all_gather_(out: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
     """``out[r * n : (r + 1) * n] = input`` of rank ``r`` (``n = input.shape[0]``)."""
-    torch.ops.npu_vllm_bridge.dcp_all_gather_(out, input, group_handle(group))
+    torch.ops.npu_vllm_bridge.host_all_gather_(out, input, group_handle(group))
+
+
+def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Sum ``tensor`` over the ranks of ``group``, in place."""
+    torch.ops.npu_vllm_bridge.host_all_reduce_(tensor, group_handle(group))
 
 
 def all_to_all_(out: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Rank ``r`` sends ``input``'s ``j``-th slice of dim 0 to rank ``j`` and receives
     rank ``j``'s ``r``-th slice in ``out``'s ``j``-th (equal slices)."""
-    torch.ops.npu_vllm_bridge.dcp_all_to_all_(out, input, group_handle(group))
+    torch.ops.npu_vllm_bridge.host_all_to_all_(out, input, group_handle(group))
 
 
 class RecordedAllReduce:
@@ -77,7 +83,7 @@ class RecordedAllReduce:
     ) -> None:
         if op != dist.ReduceOp.SUM or async_op or group is None:
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        torch.ops.npu_vllm_bridge.host_all_reduce_(tensor, group_handle(group))
+        all_reduce_(tensor, group)
         return None
 
 
@@ -87,7 +93,11 @@ def record_all_reduce_whole(communicators: list[Any]) -> None:
     from npu_graphs.backends.host import HostGraphBackend
 
     ops = torch.ops.npu_vllm_bridge
-    whole = [ops.host_all_reduce_.default, ops.dcp_all_gather_.default, ops.dcp_all_to_all_.default]
+    whole = [
+        ops.host_all_reduce_.default,
+        ops.host_all_gather_.default,
+        ops.host_all_to_all_.default,
+    ]
     shm = getattr(torch.ops._C, "shm_allreduce", None)
     if shm is not None:
         whole.append(shm.default)
