@@ -97,4 +97,16 @@ class NPUWorker(Worker):
         self._init_workspace_and_model_runner()
 
     def _make_model_runner(self) -> GPUModelRunner:
+        """The bridge's NPU runner, on vLLM's V1 model runner only.
+
+        Raises:
+            ValueError: vLLM selected Model Runner V2 (its scheduler would then speak
+                to a V1 runner).
+        """
+        if self.use_v2_model_runner:
+            raise ValueError(
+                f"{PREFIX} runs vLLM's V1 model runner on the NPU, but vLLM selected Model "
+                "Runner V2 (Triton is available, or VLLM_USE_V2_MODEL_RUNNER=1); set "
+                "VLLM_USE_V2_MODEL_RUNNER=0"
+            )
         return NPUModelRunner(self.vllm_config, self.device)
