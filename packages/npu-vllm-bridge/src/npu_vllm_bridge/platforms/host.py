@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 HOST_WORKER = "npu_vllm_bridge.worker.host.HostWorker"
+HOST_COMMUNICATOR = "npu_vllm_bridge.worker.host_communicator.HostCommunicator"
 OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
@@ -64,6 +65,11 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = HOST_WORKER
         _default_omp_threads_bind(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        """vLLM's CPU communicator with the collectives data-parallel MoE needs."""
+        return HOST_COMMUNICATOR
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
