@@ -205,3 +205,13 @@ def test_block_size_not_a_multiple_of_16_is_refused(tmp_path):
     config.cache_config.user_specified_block_size = True
     with pytest.raises(ValueError, match="multiple of 16, got block_size=24"):
         checks.check_model_and_options(config)
+
+
+def test_host_mode_refuses_expert_parallelism():
+    from types import SimpleNamespace
+
+    from npu_vllm_bridge.platforms.host import refuse_expert_parallel
+
+    refuse_expert_parallel(SimpleNamespace(enable_expert_parallel=False))
+    with pytest.raises(ValueError, match=r"expert parallelism \(enable_expert_parallel=True\)"):
+        refuse_expert_parallel(SimpleNamespace(enable_expert_parallel=True))

@@ -51,6 +51,7 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         from vllm.config import CUDAGraphMode
 
         checks.check_model_and_options(vllm_config)
+        refuse_expert_parallel(vllm_config.parallel_config)
         compilation = vllm_config.compilation_config
         capture_sizes = list(compilation.cudagraph_capture_sizes or [])
         requested_mode = compilation.mode
@@ -87,6 +88,17 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
             from npu_vllm_bridge.worker import host_slot_mapping
 
             host_slot_mapping.register()
+
+
+def refuse_expert_parallel(parallel) -> None:
+    """Raise ``ValueError`` for expert parallelism: vLLM's CPU MoE kernel ignores the
+    expert map and crashes under it (data-parallel MoE runs without it)."""
+    if getattr(parallel, "enable_expert_parallel", False):
+        raise ValueError(
+            f"{PREFIX} host mode does not run expert parallelism (enable_expert_parallel="
+            "True): vLLM's CPU MoE kernel ignores the expert map; leave it off (data "
+            "parallel MoE runs without it)"
+        )
 
 
 def _mla_scheduling(vllm_config: VllmConfig) -> list[tuple[object, str, object]]:
