@@ -9,6 +9,9 @@ Graph modes: FULL_DECODE_ONLY, PIECEWISE and FULL_AND_PIECEWISE. A host graph is
 recording of aten ops, so it cannot see the inductor C++ kernels of vLLM's CPU
 compile path: with piecewise graphs host mode keeps vLLM's compile path (Dynamo,
 split at attention) with the ``eager`` backend, and otherwise turns compilation off.
+
+vLLM's V1 model runner by default; with ``VLLM_USE_V2_MODEL_RUNNER=1``, Model Runner V2
+under Triton's interpreter, set up when vLLM loads this module (``worker/host_triton.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from vllm.platforms.cpu import CpuPlatform
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 from npu_vllm_bridge.settings import PREFIX, BridgeSettings
+from npu_vllm_bridge.worker import host_triton
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,6 +35,9 @@ logger = init_logger(f"vllm.{__name__}")
 HOST_WORKER = "npu_vllm_bridge.worker.host.HostWorker"
 HOST_COMMUNICATOR = "npu_vllm_bridge.worker.host_communicator.HostCommunicator"
 OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+# Before vLLM checks for Triton: V2, when asked for, runs under Triton's interpreter.
+host_triton.interpret_triton_for_v2()
 
 
 class HostPlatform(BridgePlatformMixin, CpuPlatform):
@@ -80,7 +87,8 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         """vLLM's CPU replacements of its Triton kernels, with a slot mapping that
-        serves decode context parallelism (vLLM's CPU one refuses it)."""
+        serves decode context parallelism (vLLM's CPU one refuses it); under Triton's
+        interpreter (Model Runner V2), PyTorch versions of a decode step's kernels."""
         super().register_triton_kernel_overrides()
         from vllm.triton_utils import HAS_TRITON
 
@@ -88,6 +96,17 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
             from npu_vllm_bridge.worker import host_slot_mapping
 
             host_slot_mapping.register()
+        elif host_triton.interpreting():
+            from npu_vllm_bridge.worker import host_v2_kernels
+
+            host_v2_kernels.register()
+
+    @classmethod
+    def graph_pool_handle(cls) -> object:
+        """A new npu-graphs host graph pool (vLLM's V2 graph managers ask for one)."""
+        from npu_graphs import get_backend
+
+        return get_backend(cls.bridge_settings.graph_backend).new_pool()
 
 
 def refuse_expert_parallel(parallel) -> None:

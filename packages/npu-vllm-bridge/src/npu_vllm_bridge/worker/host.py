@@ -57,16 +57,30 @@ def record_cpu_gemms_whole() -> None:
 
 
 class HostWorker(CPUWorker):
-    """vLLM's ``CPUWorker`` with :class:`HostModelRunner`; captures graphs after warm-up."""
+    """vLLM's ``CPUWorker`` with the bridge's runner of the model runner vLLM selected:
+    :class:`HostModelRunner` (V1), or ``HostModelRunnerV2`` (``host_v2.py``); captures
+    graphs after warm-up."""
 
     def init_device(self) -> None:
         super().init_device()
-        self.model_runner = HostModelRunner(self.vllm_config, self.device)
+        self.model_runner = self._bridge_model_runner()
         if self.model_config.enforce_eager:
             return
         from vllm.distributed.parallel_state import get_tp_group
 
         record_all_reduce_whole([get_tp_group().device_communicator])
+
+    def _bridge_model_runner(self) -> Any:
+        if not self.use_v2_model_runner:
+            return HostModelRunner(self.vllm_config, self.device)
+        from vllm.v1.worker.workspace import init_workspace_manager
+
+        from npu_vllm_bridge.worker.host_v2 import HostModelRunnerV2
+
+        init_workspace_manager(self.device)  # V2's capture locks it; CPUWorker makes none
+        if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            record_cpu_gemms_whole()
+        return HostModelRunnerV2(self.vllm_config, self.device)
 
     def determine_available_memory(self) -> int:
         """vLLM's CPU estimate of KV-cache memory, less the graphs' profiled memory."""
@@ -83,7 +97,8 @@ class HostWorker(CPUWorker):
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
-        self.model_runner.allocate_pipeline_inputs()
+        if not self.use_v2_model_runner:
+            self.model_runner.allocate_pipeline_inputs()
         if not self.model_config.enforce_eager:
             self.model_runner.capture_model()
         return times

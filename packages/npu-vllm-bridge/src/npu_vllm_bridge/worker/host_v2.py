@@ -1,0 +1,89 @@
+"""Host mode on vLLM's Model Runner V2: its CPU runner with npu-graphs graphs.
+
+vLLM builds V2's graph manager inside ``initialize_kv_cache`` by the name
+``ModelCudaGraphManager`` of ``vllm.v1.worker.gpu.model_runner``; while that call runs,
+the name means the bridge's :class:`~npu_vllm_bridge.graphs.v2_graphs.BridgeModelGraphManager`.
+The model state's ``prepare_attn`` leaves each step's attention metadata with that
+manager, whose FULL replays update the attention tasks with it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from unittest import mock
+
+import vllm.v1.worker.gpu.model_runner as gpu_model_runner
+from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+from vllm.config import CompilationMode
+from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
+
+from npu_graphs import get_backend
+from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager
+from npu_vllm_bridge.graphs.wrapper import graph_backend_name, live_wrappers
+from npu_vllm_bridge.worker.host_v2_kernels import register_pointer_tensors
+
+
+class HostModelRunnerV2(CPUModelRunnerV2):
+    """vLLM's V2 ``CPUModelRunner`` whose graphs are npu-graphs host graphs."""
+
+    def warming_up_model(self) -> None:
+        """A warm-up forward only with something to compile, as vLLM's V1 CPU runner
+        (host mode compiles only for PIECEWISE graphs)."""
+        if self.compilation_config.mode != CompilationMode.NONE:
+            super().warming_up_model()
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        self._leave_attn_metadata_with_graphs()
+
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's, building the bridge's graph manager; the block tables' data
+        pointers are registered for the PyTorch block-table kernels."""
+        with mock.patch.object(gpu_model_runner, "ModelCudaGraphManager", BridgeModelGraphManager):
+            super().initialize_kv_cache(*args, **kwargs)
+        tables = self.block_tables
+        register_pointer_tensors([table.gpu for table in tables.block_tables])
+        register_pointer_tensors(tables.input_block_tables)
+
+    def capture_model(self, *, profile_only: bool = False) -> int:
+        """vLLM's V2 capture; returns the bytes the graphs took by the graph backend's
+        own accounting (vLLM measures device memory). Graphs captured to profile
+        memory are not counted in the bridge's counters (vLLM drops them)."""
+        backend = get_backend(graph_backend_name())
+        counters = graph_counters()
+        captured, before, start = counters.captured, backend.memory_in_use(), time.perf_counter()
+        set_cudagraph_capturing_enabled(True)
+        try:
+            super().capture_model(profile_only=profile_only)
+        finally:
+            set_cudagraph_capturing_enabled(False)
+        held = backend.memory_in_use() - before
+        if profile_only:
+            counters.captured = captured
+            return held
+        counters.capture_bytes += held
+        counters.capture_seconds += time.perf_counter() - start
+        counters.serving = True
+        return held
+
+    def profile_graph_memory(self) -> int:
+        """vLLM's V2 estimate of the graphs' memory before the KV cache is sized (the
+        name the host worker calls on either runner)."""
+        estimate = self.profile_cudagraph_memory()
+        for wrapper in live_wrappers():  # vLLM drops its profiling graphs; so do the pieces
+            wrapper.clear_graphs()
+        graph_counters().estimated_bytes = estimate
+        return estimate
+
+    def _leave_attn_metadata_with_graphs(self) -> None:
+        prepare_attn = self.model_state.prepare_attn
+
+        def prepare_attn_for_replay(*args: Any, **kwargs: Any) -> Any:
+            attn_metadata = prepare_attn(*args, **kwargs)
+            if isinstance(self.cudagraph_manager, BridgeModelGraphManager):
+                self.cudagraph_manager.step_attn_metadata = attn_metadata
+            return attn_metadata
+
+        self.model_state.prepare_attn = prepare_attn_for_replay

@@ -1,0 +1,475 @@
+"""PyTorch versions of the Triton kernels on a V2 decode step's path, for host mode.
+
+Host mode runs vLLM's V2 model runner under Triton's interpreter (``host_triton.py``),
+which takes tens of milliseconds per launch (``_gumbel_sample_kernel`` about a second
+on SmolLM2's vocabulary). :func:`register` hands vLLM's kernel dispatcher
+(``vllm.triton_utils.dispatcher.register_kernels``) these versions of the kernels a
+decode step launches: inputs, block tables and slot mappings, sampling, the update
+after sampling, and the staged writes of new block ids.
+
+Each takes its kernel's arguments under the kernel's names (a test checks they still
+match), tensors where the kernel takes pointers, and works out the launch grid from
+its arguments, since the dispatcher drops it. Two kernels take tables of data
+pointers (one per KV-cache group): the tensors behind them are registered with
+:func:`register_pointer_tensors` by the model runner.
+
+Every function writes what its kernel writes, with one exception:
+``_gather_block_tables`` zeroes every row of the output block table after the step's
+requests, where the kernel zeroes those up to its grid (the padded batch); the runner
+reads no row beyond the padded batch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_DRAFT_NOISE_SALT = 1 << 30  # vLLM's offset of drafting noise (sample/gumbel.py)
+_MURMUR3_HI_DOMAIN = 0x9E3779B9
+
+_POINTER_TENSORS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def register_pointer_tensors(tensors: Iterable[torch.Tensor]) -> None:
+    """Make ``tensors`` findable by their ``data_ptr()`` (the block tables whose
+    addresses vLLM's block-table kernels take)."""
+    for tensor in tensors:
+        _POINTER_TENSORS[tensor.data_ptr()] = tensor
+
+
+def _tensor_at(pointers: torch.Tensor, index: int) -> torch.Tensor:
+    address = int(pointers[index])
+    tensor = _POINTER_TENSORS.get(address)
+    if tensor is None:
+        raise ValueError(
+            f"a kernel got the data pointer {address:#x}, which no registered tensor has; "
+            "register the tensors of every pointer table with register_pointer_tensors"
+        )
+    return tensor
+
+
+def _runs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For consecutive runs of ``lengths[i]`` elements: each element's run and its
+    offset in the run, as two int64 ``[sum(lengths)]`` tensors."""
+    lengths = lengths.long()
+    total = int(lengths.sum())
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths, output_size=total)
+    firsts = torch.cumsum(lengths, 0) - lengths
+    return owner, torch.arange(total) - firsts[owner]
+
+
+def _prepare_pos_seq_lens(
+    pos_ptr: torch.Tensor,
+    seq_lens_ptr: torch.Tensor,
+    idx_mapping_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    num_computed_tokens_ptr: torch.Tensor,
+    max_num_reqs: int,
+    BLOCK_SIZE: int = 1024,
+) -> None:
+    """Each request's sequence length (0 past the batch) and its tokens' positions.
+
+    ``pos_ptr``: int64 ``[num_tokens]``; ``seq_lens_ptr``: int32 ``[max_num_reqs]``;
+    ``idx_mapping_ptr``: int32 ``[num_reqs]`` (batch row -> request state);
+    ``query_start_loc_ptr``: int32 ``[num_reqs + 1]``; ``num_computed_tokens_ptr``:
+    int32 ``[max_num_reqs]`` by request state.
+    """
+    num_reqs = idx_mapping_ptr.shape[0]
+    starts = query_start_loc_ptr[: num_reqs + 1].long()
+    computed = num_computed_tokens_ptr[idx_mapping_ptr.long()].long()
+    query_lens = starts[1:] - starts[:-1]
+    seq_lens_ptr[:num_reqs] = (computed + query_lens).to(seq_lens_ptr.dtype)
+    seq_lens_ptr[num_reqs:max_num_reqs] = 0
+    owner, offset = _runs(query_lens)
+    pos_ptr[int(starts[0]) : int(starts[-1])] = (computed[owner] + offset).to(pos_ptr.dtype)
+
+
+def _combine_sampled_and_draft_tokens(
+    input_ids_ptr: torch.Tensor,
+    idx_mapping_ptr: torch.Tensor,
+    last_sampled_tokens_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    seq_lens_ptr: torch.Tensor,
+    prefill_len_ptr: torch.Tensor,
+    draft_tokens_ptr: torch.Tensor,
+    draft_tokens_stride: int,
+    cu_num_logits_ptr: torch.Tensor,
+    logits_indices_ptr: torch.Tensor,
+    BLOCK_SIZE: int = 1,
+    NUM_NEW_SAMPLED_TOKENS: int = 1,
+) -> None:
+    """The indices of the tokens whose logits are sampled, and the input ids of
+    decoding requests: their last sampled token, then their draft tokens.
+
+    ``draft_tokens_ptr``: ``[max_num_reqs, num_speculative_steps]``; ``cu_num_logits_ptr``:
+    int32 ``[num_reqs + 1]``; ``logits_indices_ptr``: int64 ``[num_logits]``, written.
+    """
+    num_reqs = idx_mapping_ptr.shape[0]
+    reqs = idx_mapping_ptr.long()
+    cu_logits = cu_num_logits_ptr[: num_reqs + 1].long()
+    num_logits = cu_logits[1:] - cu_logits[:-1]
+    query_ends = query_start_loc_ptr[1 : num_reqs + 1].long()
+    logits_starts = query_ends - num_logits
+    owner, offset = _runs(num_logits)
+    logits_indices_ptr[: len(owner)] = logits_starts[owner] + offset
+
+    seq_lens = seq_lens_ptr[:num_reqs].long()
+    prefill_lens = prefill_len_ptr[reqs].long()
+    decoding = seq_lens > prefill_lens
+    if NUM_NEW_SAMPLED_TOKENS > 0:
+        rows = decoding & (seq_lens - num_logits >= prefill_lens)
+        last = last_sampled_tokens_ptr.view(-1)[reqs[rows]]  # [max_num_reqs, 1] in vLLM
+        input_ids_ptr[logits_starts[rows]] = last.to(input_ids_ptr.dtype)
+    num_drafts = num_logits - NUM_NEW_SAMPLED_TOKENS
+    width = draft_tokens_ptr.shape[-1]
+    column = torch.arange(width)
+    drafted = decoding[:, None] & (column < num_drafts[:, None])
+    targets = (query_ends - num_drafts)[:, None] + column
+    input_ids_ptr[targets[drafted]] = draft_tokens_ptr[reqs][drafted].to(input_ids_ptr.dtype)
+
+
+def _gather_block_tables(
+    batch_idx_to_req_idx: torch.Tensor,
+    src_block_table_ptrs: torch.Tensor,
+    dst_block_table_ptrs: torch.Tensor,
+    block_table_strides: torch.Tensor,
+    num_blocks_ptr: torch.Tensor,
+    num_blocks_stride: int,
+    num_reqs: int,
+    BLOCK_SIZE: int = 1024,
+) -> None:
+    """Each KV-cache group's block-table rows of the batch's requests (their first
+    ``num_blocks`` entries), gathered into the group's input block table; the rows
+    after the batch are zeroed.
+
+    ``src/dst_block_table_ptrs``: uint64 ``[num_groups]`` data pointers of int32
+    ``[max_num_reqs, max_num_blocks]`` tables; ``num_blocks_ptr``: int32
+    ``[num_groups, max_num_reqs]``.
+    """
+    reqs = batch_idx_to_req_idx[:num_reqs].long()
+    for group in range(src_block_table_ptrs.shape[0]):
+        src = _tensor_at(src_block_table_ptrs, group)
+        dst = _tensor_at(dst_block_table_ptrs, group)
+        filled = torch.arange(src.shape[1]) < num_blocks_ptr[group, reqs].long()[:, None]
+        dst[:num_reqs] = torch.where(filled, src[reqs], dst[:num_reqs])
+        dst[num_reqs:] = 0
+
+
+def _compute_slot_mappings(
+    max_num_tokens: int,
+    idx_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    pos: torch.Tensor,
+    block_table_ptrs: torch.Tensor,
+    block_table_strides: torch.Tensor,
+    block_sizes: torch.Tensor,
+    slot_mapping_enabled: torch.Tensor,
+    dcp_sharded: torch.Tensor,
+    slot_mappings_ptr: torch.Tensor,
+    slot_mappings_stride: int,
+    cp_rank: int,
+    CP_SIZE: int = 1,
+    CP_INTERLEAVE: int = 1,
+    PAD_ID: int = -1,
+    TRITON_BLOCK_SIZE: int = 1024,
+) -> None:
+    """Each KV-cache group's slot of every scheduled token, ``PAD_ID`` for padding
+    requests (negative request state), tokens another context-parallel rank keeps
+    and the rest of the row.
+
+    ``slot_mappings_ptr``: int64 ``[num_groups, max_num_tokens]``; ``pos``: int64
+    positions of the scheduled tokens; ``block_table_ptrs``: as in
+    :func:`_gather_block_tables`.
+    """
+    num_reqs = idx_mapping.shape[0]
+    starts = query_start_loc[: num_reqs + 1].long()
+    owner, _ = _runs(starts[1:] - starts[:-1])
+    first, total = int(starts[0]), int(starts[-1])
+    reqs = idx_mapping.long()[owner]
+    positions = pos[first:total].long()
+    for group in range(block_table_ptrs.shape[0]):
+        table = _tensor_at(block_table_ptrs, group)
+        block_size = int(block_sizes[group])
+        local, is_local = positions, torch.ones_like(positions, dtype=torch.bool)
+        if CP_SIZE != 1 and bool(dcp_sharded[group]):
+            local, is_local = _cp_local_positions(
+                positions, block_size, CP_SIZE, CP_INTERLEAVE, cp_rank
+            )
+        enabled = bool(slot_mapping_enabled[group])
+        valid = is_local & (reqs >= 0) & enabled
+        blocks = (local // block_size) if enabled else torch.zeros_like(local)
+        numbers = table[reqs.clamp(min=0), blocks.where(valid, 0)].long()
+        slots = torch.where(valid, numbers * block_size + local % block_size, PAD_ID)
+        slot_mappings_ptr[group, first:total] = slots
+        slot_mappings_ptr[group, total:max_num_tokens] = PAD_ID
+
+
+def _cp_local_positions(
+    positions: torch.Tensor, block_size: int, cp_size: int, interleave: int, cp_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions in this rank's share of a context-parallel KV cache, and which
+    positions this rank keeps (vLLM's rule: ``interleave`` tokens per rank in turn)."""
+    virtual_block = block_size * cp_size
+    offsets = positions % virtual_block
+    is_local = offsets // interleave % cp_size == cp_rank
+    local_offsets = offsets // (interleave * cp_size) * interleave + offsets % interleave
+    return positions // virtual_block * block_size + local_offsets, is_local
+
+
+def _gumbel_sample(
+    local_argmax_ptr: torch.Tensor,
+    local_argmax_stride: int,
+    local_max_ptr: torch.Tensor,
+    local_max_stride: int,
+    logits_cache_ptr: torch.Tensor | None,
+    logits_cache_stride_0: int,
+    logits_cache_stride_1: int,
+    logits_cache_col_ptr: torch.Tensor | None,
+    logits_cache_source_ptr: torch.Tensor | None,
+    logits_cache_source_stride: int,
+    logits_ptr: torch.Tensor,
+    logits_stride: int,
+    expanded_idx_mapping_ptr: torch.Tensor,
+    seeds_ptr: torch.Tensor,
+    pos_ptr: torch.Tensor,
+    temp_ptr: torch.Tensor,
+    vocab_size: int,
+    BLOCK_SIZE: int = 1024,
+    IS_DRAFTING: bool = False,
+    APPLY_TEMPERATURE: bool = True,
+    USE_FP64: bool = False,
+    PER_TOKEN_COL: bool = False,
+) -> None:
+    """Per vocabulary block of ``BLOCK_SIZE`` tokens, each token row's argmax of its
+    logits plus Gumbel noise (none at temperature 0), and that maximum.
+
+    ``local_argmax_ptr`` int64 / ``local_max_ptr`` float ``[num_tokens, num_blocks]``,
+    written; ``logits_ptr``: ``[num_tokens, >= vocab_size]``; noise from vLLM's
+    murmur3 stream of (seed, position, token id); rows whose request state is
+    negative are greedy. With a logits cache, each row's logits (from
+    ``logits_cache_source_ptr``) are stored in its request's cache column first.
+    """
+    reqs = expanded_idx_mapping_ptr.long()
+    valid = reqs >= 0
+    reqs = reqs.clamp(min=0)
+    if logits_cache_ptr is not None:
+        columns = logits_cache_col_ptr if PER_TOKEN_COL else logits_cache_col_ptr.expand(len(reqs))
+        source = logits_cache_source_ptr[valid, :vocab_size]
+        logits_cache_ptr[reqs[valid], columns.long()[valid], :vocab_size] = source
+    temperature = torch.where(valid, temp_ptr[reqs].float(), 0.0)[:, None]
+    logits = logits_ptr[:, :vocab_size].float()
+    if APPLY_TEMPERATURE:
+        logits = torch.where(temperature != 0, logits / temperature, logits)
+    if USE_FP64:
+        logits = logits.double()
+    noisy = (temperature != 0).squeeze(1)
+    if bool(noisy.any()):
+        seeds = torch.where(valid, seeds_ptr[reqs].long(), 0)[noisy, None]
+        positions = pos_ptr.long()[noisy, None] + (_DRAFT_NOISE_SALT if IS_DRAFTING else 0)
+        keys = torch.arange(vocab_size)
+        logits[noisy] += _gumbel_noise(seeds, positions, keys, USE_FP64)
+    num_blocks = local_argmax_ptr.shape[1]
+    padded = torch.full(
+        (logits.shape[0], num_blocks * BLOCK_SIZE), float("-inf"), dtype=logits.dtype
+    )
+    padded[:, :vocab_size] = logits
+    values, indices = padded.view(logits.shape[0], num_blocks, BLOCK_SIZE).max(dim=-1)
+    local_argmax_ptr.copy_(indices + torch.arange(num_blocks) * BLOCK_SIZE)
+    local_max_ptr.copy_(values)
+
+
+def _gumbel_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, fp64: bool
+) -> torch.Tensor:
+    """vLLM's Gumbel noise of token ids ``keys`` (``gumbel_noised_argmax``), computed
+    in the kernel's precision: float32, or float64 with ``fp64``."""
+    if fp64:
+        low = _murmur3(seeds, positions, keys)
+        high = _murmur3(seeds, positions, keys, domain=_MURMUR3_HI_DOMAIN)
+        random53 = (high << 21) | (low >> 11)
+        uniform = (random53.double() + 0.5) * 2.0**-53
+        uniform = torch.where(uniform == 1.0, uniform - 2.0**-53, uniform)
+        return -torch.log(-torch.log(uniform))
+    random32 = _murmur3(seeds, positions, keys)
+    high16, low16 = (random32 >> 16).float(), (random32 & 0xFFFF).float()
+    uniform = high16 * 2.0**-16 + (low16 + 0.5) * 2.0**-32
+    return -torch.log(-_log1p_of_negative(uniform))
+
+
+def _log1p_of_negative(value: torch.Tensor) -> torch.Tensor:
+    """``log(1 - value)`` as vLLM's ``_log1p_neg_stable`` computes it (float32)."""
+    polynomial = torch.full_like(value, 1.0 / 8.0)
+    for degree in (7, 6, 5, 4, 3, 2, 1):
+        polynomial = 1.0 / degree + value * polynomial
+    series = -value * polynomial
+    direct = torch.log(torch.clamp(1.0 - value, min=5.960464477539063e-08))
+    return torch.where(value < 0.25, series, direct)
+
+
+def _murmur3(
+    seeds: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, domain: int = 0
+) -> torch.Tensor:
+    """vLLM's ``murmur3_hash32(seed, pos, key, domain)``, broadcast over its int64
+    arguments; values in ``[0, 2**32)`` as int64."""
+    h = _mix(torch.full_like(seeds, domain), seeds & _MASK32)
+    h = _mix(h, (seeds >> 32) & _MASK32)
+    h = _mix(h, positions & _MASK32)
+    h = _mix(h, keys & _MASK32)
+    h = h ^ 16
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _mix(h: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    key = _mul32(_rotl32(_mul32(key, 0xCC9E2D51), 15), 0x1B873593)
+    h = _rotl32(h ^ key, 13)
+    return (h * 5 + 0xE6546B64) & _MASK32
+
+
+def _mul32(a: torch.Tensor, constant: int) -> torch.Tensor:
+    """``a * constant`` modulo 2**32 in int64 without overflow (``a < 2**32``)."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (a * low + ((a * high) & 0xFFFF) * 0x10000) & _MASK32
+
+
+def _rotl32(value: torch.Tensor, shift: int) -> torch.Tensor:
+    return ((value << shift) | (value >> (32 - shift))) & _MASK32
+
+
+def _get_num_sampled_and_rejected(
+    num_sampled_ptr: torch.Tensor,
+    num_rejected_ptr: torch.Tensor,
+    seq_lens_ptr: torch.Tensor,
+    cu_num_logits_ptr: torch.Tensor,
+    idx_mapping_ptr: torch.Tensor,
+    prefill_len_ptr: torch.Tensor,
+) -> None:
+    """Tokens sampled and rejected per request: none while it is still prefilling
+    in chunks; ``num_sampled_ptr`` is updated in place, ``num_rejected_ptr`` written."""
+    num_reqs = idx_mapping_ptr.shape[0]
+    chunked = seq_lens_ptr[:num_reqs] < prefill_len_ptr[idx_mapping_ptr.long()]
+    sampled = torch.where(chunked, 0, num_sampled_ptr[:num_reqs])
+    num_sampled_ptr[:num_reqs] = sampled
+    cu_logits = cu_num_logits_ptr[: num_reqs + 1]
+    rejected = torch.where(chunked, 0, cu_logits[1:] - cu_logits[:-1] - sampled)
+    num_rejected_ptr[:num_reqs] = rejected.to(num_rejected_ptr.dtype)
+
+
+def _post_update(
+    idx_mapping_ptr: torch.Tensor,
+    num_computed_tokens_ptr: torch.Tensor,
+    last_sampled_tokens_ptr: torch.Tensor,
+    output_bin_counts_ptr: torch.Tensor | None,
+    output_bin_counts_stride: int,
+    sampled_tokens_ptr: torch.Tensor,
+    sampled_tokens_stride: int,
+    num_sampled_ptr: torch.Tensor,
+    num_rejected_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor | None,
+    all_token_ids_ptr: torch.Tensor,
+    all_token_ids_stride: int,
+    total_len_ptr: torch.Tensor,
+    **launch_options: Any,
+) -> None:
+    """After sampling, per request of the batch (negative request states skipped):
+    its sampled tokens appended to its token ids (and output bin counts), its last
+    sampled token and total length, its computed tokens advanced by the accepted
+    query tokens.
+
+    ``sampled_tokens_ptr``: ``[num_reqs, num_speculative_steps + 1]``;
+    ``all_token_ids_ptr``: ``[max_num_reqs, max_model_len]`` by request state.
+    """
+    rows = (idx_mapping_ptr >= 0).nonzero().squeeze(1)
+    reqs = idx_mapping_ptr[rows].long()
+    counts = num_sampled_ptr[rows].long()
+    lengths = total_len_ptr[reqs].long()
+    sampled = sampled_tokens_ptr[rows]
+    column = torch.arange(sampled.shape[1])
+    taken = column < counts[:, None]
+    token_reqs = reqs[:, None].expand_as(sampled)[taken]
+    tokens = sampled[taken]
+    all_token_ids_ptr[token_reqs, (lengths[:, None] + column)[taken]] = tokens.to(
+        all_token_ids_ptr.dtype
+    )
+    if output_bin_counts_ptr is not None:
+        ones = torch.ones_like(tokens, dtype=output_bin_counts_ptr.dtype)
+        output_bin_counts_ptr.index_put_((token_reqs, tokens.long()), ones, accumulate=True)
+    some = counts > 0
+    last = sampled[some, counts[some] - 1]
+    last_sampled = last_sampled_tokens_ptr.view(-1)  # [max_num_reqs, 1] in vLLM
+    last_sampled[reqs[some]] = last.to(last_sampled.dtype)
+    total_len_ptr[reqs[some]] = (lengths + counts)[some].to(total_len_ptr.dtype)
+    query_lens = torch.zeros_like(counts)
+    if query_start_loc_ptr is not None:
+        query_lens = (query_start_loc_ptr[rows + 1] - query_start_loc_ptr[rows]).long()
+    delta = query_lens - num_rejected_ptr[rows].long()
+    computed = num_computed_tokens_ptr[reqs].long() + delta
+    num_computed_tokens_ptr[reqs] = computed.to(num_computed_tokens_ptr.dtype)
+
+
+def _apply_write(
+    output_ptr: torch.Tensor,
+    output_stride: torch.Tensor | int,
+    write_indices_ptr: torch.Tensor,
+    write_starts_ptr: torch.Tensor,
+    write_contents_ptr: torch.Tensor,
+    write_cu_lens_ptr: torch.Tensor,
+    write_group_ids_ptr: torch.Tensor | None,
+    BLOCK_SIZE: int = 1024,
+    MULTI_GROUP: bool = False,
+) -> None:
+    """Staged writes: write ``i`` puts its contents (``write_contents_ptr`` between
+    ``write_cu_lens_ptr[i - 1]`` and ``[i]``) into row ``write_indices_ptr[i]`` of the
+    output from column ``write_starts_ptr[i]`` on. The output is a tensor, or with
+    ``MULTI_GROUP`` a table of data pointers and strides indexed by
+    ``write_group_ids_ptr``."""
+    num_writes = write_indices_ptr.shape[0]
+    ends = write_cu_lens_ptr[:num_writes].long()
+    lengths = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    owner, offset = _runs(lengths)
+    rows = write_indices_ptr[:num_writes].long()[owner]
+    columns = write_starts_ptr[:num_writes].long()[owner] + offset
+    contents = write_contents_ptr[: len(owner)]
+    if not MULTI_GROUP:
+        _write_flat(output_ptr, rows * int(output_stride) + columns, contents)
+        return
+    groups = write_group_ids_ptr[:num_writes].long()[owner]
+    for group in groups.unique().tolist():
+        target = _tensor_at(output_ptr, group)
+        chosen = groups == group
+        stride = int(output_stride[group])
+        _write_flat(target, (rows * stride + columns)[chosen], contents[chosen])
+
+
+def _write_flat(target: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:
+    """``target``'s elements at row-major offsets ``flat_index`` set to ``values``."""
+    target.view(-1)[flat_index] = values.to(target.dtype)
+
+
+# vLLM's kernel -> its PyTorch version here.
+KERNELS = {
+    "vllm.v1.worker.gpu.input_batch._prepare_pos_seq_lens_kernel": _prepare_pos_seq_lens,
+    "vllm.v1.worker.gpu.input_batch._combine_sampled_and_draft_tokens_kernel": (
+        _combine_sampled_and_draft_tokens
+    ),
+    "vllm.v1.worker.gpu.input_batch._get_num_sampled_and_rejected_kernel": (
+        _get_num_sampled_and_rejected
+    ),
+    "vllm.v1.worker.gpu.input_batch._post_update_kernel": _post_update,
+    "vllm.v1.worker.gpu.block_table._gather_block_tables_kernel": _gather_block_tables,
+    "vllm.v1.worker.gpu.block_table._compute_slot_mappings_kernel": _compute_slot_mappings,
+    "vllm.v1.worker.gpu.buffer_utils._apply_write_kernel": _apply_write,
+    "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel": _gumbel_sample,
+}
+
+
+def register() -> None:
+    """Register :data:`KERNELS` with vLLM's kernel dispatcher."""
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels(KERNELS)

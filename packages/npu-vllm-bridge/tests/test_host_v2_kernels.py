@@ -1,0 +1,112 @@
+"""The PyTorch versions of V2's decode-step kernels (``worker/host_v2_kernels.py``)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from v2_kernel_cases import CASES
+
+from npu_vllm_bridge.worker import host_v2_kernels
+from npu_vllm_bridge.worker.host_slot_mapping import compute_slot_mapping
+from npu_vllm_bridge.worker.host_v2_kernels import KERNELS, register_pointer_tensors
+
+CASES_SCRIPT = Path(__file__).with_name("v2_kernel_cases.py")
+
+
+def _parameters(fn) -> list[str]:
+    names = getattr(fn, "arg_names", None)  # a Triton kernel, or vLLM's override of one
+    if names is not None:
+        return list(names)
+    parameters = inspect.signature(fn).parameters.values()
+    return [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_arguments_are_named_as_the_kernels(name: str) -> None:
+    module, attr = name.rsplit(".", 1)
+    kernel = getattr(importlib.import_module(module), attr)
+    assert _parameters(KERNELS[name]) == _parameters(kernel)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    """Each case of ``v2_kernel_cases.py``, run in host mode with V2 (vLLM's kernels
+    under Triton's interpreter): ``ok`` or how ours differs."""
+    env = dict(
+        os.environ,
+        NPU_BRIDGE_DEVICE="cpu",
+        VLLM_USE_V2_MODEL_RUNNER="1",
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(CASES_SCRIPT)], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_writes_what_the_interpreted_kernel_writes(interpreted: dict[str, str], case: str) -> None:
+    assert interpreted[case] == "ok", interpreted[case]
+
+
+def test_context_parallel_slot_mapping_follows_vllms_rule() -> None:
+    """Two ranks, interleave 4: each rank's slots are those of the V1 host kernel
+    (``host_slot_mapping``), which the Triton interpreter cannot run here."""
+    torch.manual_seed(0)
+    table = torch.randint(0, 40, (4, 16), dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 5, 30], dtype=torch.int32)
+    positions = torch.cat([torch.arange(40, 45), torch.arange(3, 28)])
+    for rank in (0, 1):
+        ours = torch.full((1, 40), 7, dtype=torch.int64)
+        register_pointer_tensors([table])
+        host_v2_kernels._compute_slot_mappings(
+            40, torch.tensor([3, 0], dtype=torch.int32), query_start_loc, positions,
+            torch.tensor([table.data_ptr()], dtype=torch.uint64), torch.tensor([16]),
+            torch.tensor([16], dtype=torch.int32), torch.tensor([True]), torch.tensor([True]),
+            ours, 40, rank, CP_SIZE=2, CP_INTERLEAVE=4, PAD_ID=-1,
+        )  # fmt: skip
+        v1 = torch.full((40,), 7, dtype=torch.int64)
+        compute_slot_mapping(
+            30, 40, query_start_loc, positions, table[[3, 0]], 16, v1, 16,
+            TOTAL_CP_WORLD_SIZE=2, TOTAL_CP_RANK=rank, CP_KV_CACHE_INTERLEAVE_SIZE=4,
+        )  # fmt: skip
+        assert torch.equal(ours[0], v1)
+
+
+def test_gumbel_sample_stores_each_rows_logits_in_its_cache_column() -> None:
+    """Drafting with a logits cache (the interpreter cannot run the kernel's store):
+    each valid row's logits land in its request's column, before temperature."""
+    logits = torch.randn(3, 40)
+    cache = torch.zeros(4, 2, 40)
+    local_argmax = torch.empty(3, 1, dtype=torch.int64)
+    local_max = torch.empty(3, 1)
+    host_v2_kernels._gumbel_sample(
+        local_argmax, 1, local_max, 1, cache, 80, 40, torch.tensor([1, 0, 1]), logits, 40,
+        logits, 40, torch.tensor([2, 0, -1], dtype=torch.int32), torch.arange(4),
+        torch.arange(3), torch.tensor([0.5, 0.0, 0.0, 0.0]), 40,
+        BLOCK_SIZE=64, IS_DRAFTING=True, PER_TOKEN_COL=True,
+    )  # fmt: skip
+    assert torch.equal(cache[2, 1], logits[0]) and torch.equal(cache[0, 0], logits[1])
+    assert cache.count_nonzero() == 2 * 40
+    assert local_argmax[1, 0] == logits[1].argmax()  # temperature 0: greedy
+
+
+def test_a_pointer_no_tensor_was_registered_for_is_refused() -> None:
+    stray = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="register_pointer_tensors"):
+        host_v2_kernels._gather_block_tables(
+            torch.tensor([0], dtype=torch.int32),
+            torch.tensor([stray.data_ptr()], dtype=torch.uint64),
+            torch.tensor([stray.data_ptr()], dtype=torch.uint64),
+            torch.tensor([3]), torch.ones(1, 2, dtype=torch.int32), 2, 1,
+        )  # fmt: skip

@@ -1,0 +1,258 @@
+"""Each PyTorch kernel of ``host_v2_kernels`` against vLLM's Triton kernel, interpreted.
+
+Run as a script (``python v2_kernel_cases.py``) in a process of its own: it turns host
+mode's V2 set-up on (``NPU_BRIDGE_DEVICE=cpu``, ``VLLM_USE_V2_MODEL_RUNNER=1``) before
+vLLM is imported, so vLLM's kernels are Triton's interpreted functions. Every case
+builds the same small inputs twice (same seed), launches the interpreted kernel on
+one copy and the PyTorch version on the other, and compares what they wrote. Prints
+one line: ``RESULT {case: "ok" | error message}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+PAD = -1
+
+
+def _launch_both(case: Callable[[], tuple], kernel_name: str) -> list[tuple[torch.Tensor, ...]]:
+    """Build ``case``'s inputs twice; run the interpreted kernel and our version;
+    return what each run wrote (the tensors the case names)."""
+    import importlib
+
+    from npu_vllm_bridge.worker.host_v2_kernels import KERNELS
+
+    module_name, attr = kernel_name.rsplit(".", 1)
+    kernel = getattr(importlib.import_module(module_name), attr)
+    written = []
+    for run in (lambda grid: kernel[grid], lambda grid: KERNELS[kernel_name]):
+        torch.manual_seed(0)
+        grid, args, kwargs, outputs = case()
+        run(grid)(*args, **kwargs)
+        written.append(tuple(t.clone() for t in outputs))
+    return written
+
+
+def _pointer_table(tensors: list[torch.Tensor]) -> torch.Tensor:
+    from npu_vllm_bridge.worker.host_v2_kernels import register_pointer_tensors
+
+    register_pointer_tensors(tensors)
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def pos_seq_lens():
+    idx_mapping = torch.tensor([4, 0, 2], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 3, 4, 6], dtype=torch.int32)
+    num_computed = torch.tensor([5, 0, 9, 0, 1, 0], dtype=torch.int32)
+    pos = torch.full((10,), -7, dtype=torch.int64)
+    seq_lens = torch.full((6,), 99, dtype=torch.int32)
+    args = (pos, seq_lens, idx_mapping, query_start_loc, num_computed, 6)
+    return (4,), args, {"BLOCK_SIZE": 1024}, (pos, seq_lens)
+
+
+def combine_sampled_and_draft_tokens():
+    # Rows: a prefill chunk, a decode, a decode with two draft tokens.
+    idx_mapping = torch.tensor([1, 3, 0], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 4, 5, 8], dtype=torch.int32)
+    seq_lens = torch.tensor([4, 11, 20], dtype=torch.int32)
+    prefill_len = torch.tensor([6, 9, 0, 5], dtype=torch.int32)
+    last_sampled = torch.tensor([[70], [71], [72], [73]])  # vLLM's [max_num_reqs, 1]
+    draft_tokens = torch.arange(100, 108, dtype=torch.int32).view(4, 2)
+    cu_num_logits = torch.tensor([0, 1, 2, 5], dtype=torch.int32)
+    input_ids = torch.arange(8, dtype=torch.int32)
+    logits_indices = torch.full((5,), -1, dtype=torch.int64)
+    args = (
+        input_ids, idx_mapping, last_sampled, query_start_loc, seq_lens, prefill_len,
+        draft_tokens, draft_tokens.stride(0), cu_num_logits, logits_indices,
+    )  # fmt: skip
+    kwargs = {"BLOCK_SIZE": 4, "NUM_NEW_SAMPLED_TOKENS": 1}
+    return (3,), args, kwargs, (input_ids, logits_indices)
+
+
+def num_sampled_and_rejected():
+    idx_mapping = torch.tensor([2, 0, 1], dtype=torch.int32)
+    seq_lens = torch.tensor([3, 12, 9], dtype=torch.int32)
+    prefill_len = torch.tensor([4, 5, 8], dtype=torch.int32)
+    cu_num_logits = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
+    num_sampled = torch.tensor([1, 2, 2], dtype=torch.int32)
+    num_rejected = torch.full((3,), -5, dtype=torch.int32)
+    args = (num_sampled, num_rejected, seq_lens, cu_num_logits, idx_mapping, prefill_len)
+    return (3,), args, {}, (num_sampled, num_rejected)
+
+
+def post_update():
+    idx_mapping = torch.tensor([2, -1, 0, 3], dtype=torch.int32)
+    num_computed = torch.tensor([10, 4, 7, 0], dtype=torch.int32)
+    last_sampled = torch.zeros(4, 1, dtype=torch.int64)
+    bin_counts = torch.zeros(4, 16, dtype=torch.int32)
+    sampled = torch.tensor([[5, 6, 7], [1, 1, 1], [9, 9, 2], [4, 0, 0]], dtype=torch.int64)
+    num_sampled = torch.tensor([3, 1, 2, 0], dtype=torch.int32)
+    num_rejected = torch.tensor([0, 0, 1, 0], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 3, 4, 7, 8], dtype=torch.int32)
+    all_token_ids = torch.zeros(4, 32, dtype=torch.int32)
+    total_len = torch.tensor([11, 4, 8, 1], dtype=torch.int32)
+    args = (
+        idx_mapping, num_computed, last_sampled, bin_counts, bin_counts.stride(0), sampled,
+        sampled.stride(0), num_sampled, num_rejected, query_start_loc, all_token_ids,
+        all_token_ids.stride(0), total_len,
+    )  # fmt: skip
+    outputs = (num_computed, last_sampled, bin_counts, all_token_ids, total_len)
+    return (4,), args, {"num_warps": 1}, outputs
+
+
+def gather_block_tables():
+    sources = [torch.randint(1, 50, (6, 8), dtype=torch.int32) for _ in range(2)]
+    inputs = [torch.full((6, 8), 77, dtype=torch.int32) for _ in range(2)]
+    num_blocks = torch.tensor([[3, 8, 0, 1, 5, 2], [1, 2, 3, 4, 5, 6]], dtype=torch.int32)
+    idx_mapping = torch.tensor([4, 1, 0], dtype=torch.int32)
+    args = (
+        idx_mapping, _pointer_table(sources), _pointer_table(inputs),
+        torch.tensor([8, 8]), num_blocks, num_blocks.stride(0), 3,
+    )  # fmt: skip
+    # Grid: 4 padded rows (3 requests); rows past the padded batch are not compared.
+    # The tables behind the pointers are returned too: they must outlive the launch.
+    return (2, 4), args, {"BLOCK_SIZE": 1024}, (*(t[:4] for t in inputs), *sources)
+
+
+def slot_mappings():
+    tables = [torch.randint(0, 40, (5, 16), dtype=torch.int32) for _ in range(3)]
+    idx_mapping = torch.tensor([3, -1, 0], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 5, 6, 30], dtype=torch.int32)
+    pos = torch.cat([torch.arange(40, 45), torch.tensor([0]), torch.arange(3, 27)])
+    slot_mappings = torch.full((3, 40), 1234, dtype=torch.int64)
+    args = (
+        40, idx_mapping, query_start_loc, pos, _pointer_table(tables), torch.tensor([16, 16, 16]),
+        torch.tensor([16, 32, 16], dtype=torch.int32), torch.tensor([True, True, False]),
+        torch.tensor([True, True, True]), slot_mappings, slot_mappings.stride(0), 0,
+    )  # fmt: skip
+    kwargs = {"CP_SIZE": 1, "CP_INTERLEAVE": 1, "PAD_ID": PAD, "TRITON_BLOCK_SIZE": 1024}
+    return (3, 4), args, kwargs, (slot_mappings, *tables)
+
+
+def apply_write():
+    output = torch.zeros(5, 12, dtype=torch.int32)
+    indices = torch.tensor([3, 0, 4], dtype=torch.int32)
+    starts = torch.tensor([2, 0, 9], dtype=torch.int32)
+    contents = torch.arange(1, 10, dtype=torch.int32)
+    cu_lens = torch.tensor([4, 6, 9], dtype=torch.int32)
+    args = (output, output.stride(0), indices, starts, contents, cu_lens, None)
+    return (3,), args, {"BLOCK_SIZE": 1024, "MULTI_GROUP": False}, (output,)
+
+
+def apply_write_multi_group():
+    outputs = [torch.zeros(4, 6, dtype=torch.int32), torch.zeros(4, 10, dtype=torch.int32)]
+    indices = torch.tensor([1, 1, 3], dtype=torch.int32)
+    starts = torch.tensor([0, 4, 2], dtype=torch.int32)
+    contents = torch.arange(11, 19, dtype=torch.int32)
+    cu_lens = torch.tensor([3, 6, 8], dtype=torch.int32)
+    group_ids = torch.tensor([0, 1, 1], dtype=torch.int32)
+    args = (
+        _pointer_table(outputs), torch.tensor([6, 10]), indices, starts, contents, cu_lens,
+        group_ids,
+    )  # fmt: skip
+    return (3,), args, {"BLOCK_SIZE": 1024, "MULTI_GROUP": True}, tuple(outputs)
+
+
+def _gumbel_case(temperatures: list[float], *, fp64: bool = False, drafting: bool = False):
+    num_tokens, vocab_size, block = len(temperatures), 2500, 1024
+    num_blocks = -(-vocab_size // block)
+    logits = torch.randn(num_tokens, vocab_size + 3) * 3
+    # Request states of the rows; the last row is padding (-1: greedy).
+    states = [(2 * i + 1) % 5 for i in range(num_tokens - 1)] + [-1]
+    idx_mapping = torch.tensor(states, dtype=torch.int32)
+    temperature = torch.zeros(5)
+    for state, value in zip(states[:-1], temperatures):
+        temperature[state] = value
+    seeds = torch.tensor([2**40 + 7, -3, 12345, 99, 2**33], dtype=torch.int64)
+    pos = torch.tensor([17 + 5 * i for i in range(num_tokens)], dtype=torch.int64)
+    local_argmax = torch.full((num_tokens, num_blocks), -1, dtype=torch.int64)
+    local_max = torch.zeros(num_tokens, num_blocks, dtype=torch.float64 if fp64 else torch.float32)
+    args = (
+        local_argmax, local_argmax.stride(0), local_max, local_max.stride(0), None, 0, 0, None,
+        None, 0, logits, logits.stride(0), idx_mapping, seeds, pos, temperature, vocab_size,
+    )  # fmt: skip
+    kwargs = {
+        "BLOCK_SIZE": block, "IS_DRAFTING": drafting, "APPLY_TEMPERATURE": True,
+        "USE_FP64": fp64, "PER_TOKEN_COL": False,
+    }  # fmt: skip
+    return (num_tokens, num_blocks), args, kwargs, (local_argmax, local_max)
+
+
+def gumbel_greedy():
+    return _gumbel_case([0.0, 0.0, 0.0])
+
+
+def gumbel_temperature():
+    return _gumbel_case([0.7, 0.0, 1.3, 1.0])
+
+
+def gumbel_fp64():
+    return _gumbel_case([0.9, 2.0, 0.0], fp64=True)
+
+
+def gumbel_drafting():
+    return _gumbel_case([0.8, 1.1, 0.5], drafting=True)
+
+
+_INPUT_BATCH = "vllm.v1.worker.gpu.input_batch."
+_BLOCK_TABLE = "vllm.v1.worker.gpu.block_table."
+_GUMBEL = "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel"
+_APPLY_WRITE = "vllm.v1.worker.gpu.buffer_utils._apply_write_kernel"
+CASES = {
+    "pos_seq_lens": (pos_seq_lens, _INPUT_BATCH + "_prepare_pos_seq_lens_kernel"),
+    "combine_sampled_and_draft_tokens": (
+        combine_sampled_and_draft_tokens,
+        _INPUT_BATCH + "_combine_sampled_and_draft_tokens_kernel",
+    ),
+    "num_sampled_and_rejected": (
+        num_sampled_and_rejected,
+        _INPUT_BATCH + "_get_num_sampled_and_rejected_kernel",
+    ),
+    "post_update": (post_update, _INPUT_BATCH + "_post_update_kernel"),
+    "gather_block_tables": (gather_block_tables, _BLOCK_TABLE + "_gather_block_tables_kernel"),
+    "slot_mappings": (slot_mappings, _BLOCK_TABLE + "_compute_slot_mappings_kernel"),
+    "apply_write": (apply_write, _APPLY_WRITE),
+    "apply_write_multi_group": (apply_write_multi_group, _APPLY_WRITE),
+    "gumbel_greedy": (gumbel_greedy, _GUMBEL),
+    "gumbel_temperature": (gumbel_temperature, _GUMBEL),
+    "gumbel_fp64": (gumbel_fp64, _GUMBEL),
+    "gumbel_drafting": (gumbel_drafting, _GUMBEL),
+}
+
+
+def compare(case: str) -> str:
+    """``ok``, or how our version's writes differ from the interpreted kernel's."""
+    build, kernel_name = CASES[case]
+    theirs, ours = _launch_both(build, kernel_name)
+    for index, (a, b) in enumerate(zip(theirs, ours)):
+        same = torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=1e-6)
+        if not same:
+            return f"output {index} differs:\nkernel {a.tolist()}\nours   {b.tolist()}"
+    return "ok"
+
+
+def main() -> None:
+    os.environ["NPU_BRIDGE_DEVICE"] = "cpu"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    from vllm.platforms import current_platform
+
+    from npu_vllm_bridge.worker import host_triton
+
+    if type(current_platform).__name__ != "HostPlatform" or not host_triton.interpreting():
+        raise SystemExit("host mode did not set up Triton's interpreter")
+    results = {}
+    for case in sys.argv[1:] or CASES:
+        try:
+            results[case] = compare(case)
+        except Exception as exc:
+            results[case] = f"{type(exc).__name__}: {exc}"
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

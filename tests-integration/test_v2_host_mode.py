@@ -1,0 +1,59 @@
+"""Host mode on vLLM's Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``: its CPU runner,
+vLLM's per-step Triton kernels through the bridge's PyTorch versions, the rest under
+Triton's interpreter), with SmolLM2-135M-Instruct at ``max_model_len=2048``,
+``max_num_seqs=16``.
+
+The chat answers, eager, with FULL_DECODE_ONLY graphs captured by the bridge's V2 graph
+manager and with FULL_AND_PIECEWISE (PIECEWISE pieces from vLLM's compile path), must
+equal those of vLLM's own CPU backend on V1 and of transformers (the ``smollm2_chat``
+fixture). A run whose FULL replays skip their task update must
+answer differently: the check sees a stale plan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import engines
+import pytest
+from engines import REAL_MODEL_ENGINE, run_engine
+from test_smollm2_chat import GRAPH_MODES
+
+V2_RUNNER = Path(__file__).with_name("v2_runner.py")
+
+
+@pytest.fixture
+def v2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines on Model Runner V2, started by ``v2_runner.py``."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setattr(engines, "RUNNER", V2_RUNNER)
+
+
+@pytest.mark.parametrize("mode", ["eager", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_chat_answers_equal_v1_cpu_attn_and_transformers(v2, smollm2, smollm2_chat, tmp_path, mode):
+    rounds, hf = smollm2_chat
+    result = run_engine(
+        smollm2, rounds, bridge=True, tmp_path=tmp_path, **REAL_MODEL_ENGINE, **GRAPH_MODES[mode]
+    )
+    assert result["model_runners"] == ["HostModelRunnerV2"], result
+    assert result["tokens"] == [hf], "V2's answers differ from transformers' and CPU_ATTN's"
+    counters = result["counters"]
+    replays = counters["replayed_steps"]
+    if mode == "eager":
+        assert counters["captured"] == replays == 0, counters
+    else:
+        assert counters["captured"] == result["vllm_cudagraph_captured"] > 0, result
+        assert counters["task_updates"] == replays > 0, counters
+
+
+def test_full_replays_without_task_update_answer_differently(
+    v2, monkeypatch, smollm2, smollm2_chat, tmp_path
+):
+    rounds, hf = smollm2_chat
+    monkeypatch.setenv("NPU_BRIDGE_TEST_SKIP_TASK_UPDATES", "1")
+    result = run_engine(
+        smollm2, [rounds[0][:4]], bridge=True, tmp_path=tmp_path, **REAL_MODEL_ENGINE,
+        **GRAPH_MODES["FULL_DECODE_ONLY"],
+    )  # fmt: skip
+    assert result["skipped_task_updates"] > 0, result
+    assert result["tokens"][0] != hf[:4], "replays with stale plans gave the right answers"
