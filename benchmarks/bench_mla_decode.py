@@ -6,21 +6,25 @@ Problem: DeepSeek-V3 attention on one device of a tensor-parallel 8 deployment:
 256; the paged latent cache has block size 64 over permuted pages. ``--heads 128``
 runs the whole model's heads instead.
 
-Bandwidth = latent-cache bytes read (batch x context x 1152) / time. Baselines
-measured in the same run: a device-to-device copy (bytes read + written), and
-torch's ``bmm -> softmax -> bmm`` over the same latents gathered beforehand into a
-contiguous ``[batch, context, 576]`` tensor (the gather not timed). Both timed as
-CUDA-graph replays, the L2 cache cleared before each replay. The triton row is the
-provider's default launch; ``--tune`` also times a small grid of launches (block
-heads/keys, warps, stages, splits) and prints the best.
+Bandwidth = latent-cache bytes read (batch x context x 1152) / time. Rows: the
+provider's default (``triton``: the Gluon kernel on Hopper GPUs with Triton 3.6), the
+portable Triton kernel (``portable``, the Gluon kernel switched off), and torch's
+``bmm -> softmax -> bmm`` over the same latents gathered beforehand into a contiguous
+``[batch, context, 576]`` tensor (the gather not timed); and a device-to-device copy
+(bytes read + written). All timed in the same run as CUDA-graph replays, the L2
+cache cleared before each replay; ``x portable`` and ``x bmm`` are the default's
+speed-ups. ``--tune`` also times a grid of launches of the default kernel (tiles and
+ring stages, split counts, heads a program) and prints them fastest first.
 
-    python benchmarks/bench_mla_decode.py [--heads 16] [--tune]
+    python benchmarks/bench_mla_decode.py [--heads 16] [--tune] [--batches 1 64 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import _timing  # first: puts the packages' src on sys.path
@@ -91,40 +95,109 @@ def time_row(problem: Problem, name: str, fn, copy_bw: float, **extra: Any) -> d
     }
 
 
-def launch_grid(batch: int) -> list[dict[str, Any]]:
-    """The launches ``--tune`` tries: tile shapes at the default split count, then
-    other split counts at the default tile."""
-    tiles = [
-        dict(block_n=block_n, num_warps=warps, num_stages=stages)
-        for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3))
-    ]
-    splits = [dict(fixed_kv_splits=n) for n in ((8, 32, 64) if batch == 1 else (1, 4))]
-    return tiles + splits
+@contextlib.contextmanager
+def provider_settings(problem: Problem, **settings: Any) -> Iterator[None]:
+    """The provider's attributes set to ``settings`` (the step re-planned) inside."""
+    provider = problem.step.provider
+    saved = {name: getattr(provider, name) for name in settings}
+    vars(provider).update(settings)
+    problem.step.provider_data = provider.prepare(problem.step)
+    try:
+        yield
+    finally:
+        vars(provider).update(saved)
+        problem.step.provider_data = provider.prepare(problem.step)
+
+
+def launch_grid(problem: Problem) -> list[dict[str, Any]]:
+    """The launches ``--tune`` tries. Gluon kernel: its ring (keys a tile, stages) at
+    the default split count, then other split counts; portable kernel: tile shapes,
+    then split counts."""
+    batch = problem.batch
+    splits = (8, 16, 32, 64) if batch == 1 else (1, 2, 4)
+    split_rows = [dict(fixed_kv_splits=n) for n in splits]
+    if problem.step.provider_data.hopper is None:
+        tiles = [
+            dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3))
+        ]
+        return tiles + split_rows
+    wide = problem.spec.num_heads > 16
+    rings = ((64, 1), (32, 3), (32, 2)) if wide else ((32, 3), (32, 5))
+    tiles = [dict(hopper_launch={"block_n": n, "num_stages": stages}) for n, stages in rings]
+    heads = [dict(hopper_min_programs=share) for share in (0, 1)] if wide else []
+    return tiles + split_rows + heads
+
+
+def describe(problem: Problem) -> str:
+    data = problem.step.provider_data
+    if data.hopper is not None:
+        launch = data.hopper
+        return (
+            f"gluon h{launch.heads} n{launch.block_n} s{launch.stages} splits={data.num_kv_splits}"
+        )
+    config = data.decode
+    return (
+        f"portable n{config.block_n} w{config.num_warps} s{config.num_stages} "
+        f"splits={data.num_kv_splits}"
+    )
+
+
+def max_error(problem: Problem) -> float:
+    return (problem.triton().float() - problem.torch_baseline().float()).abs().max().item()
 
 
 def tuned_rows(problem: Problem, copy_bw: float) -> list[dict[str, Any]]:
-    provider = problem.step.provider
-    saved = dict(vars(provider))
     rows = []
-    for launch in launch_grid(problem.batch):
-        vars(provider).update(saved)
-        vars(provider).update(launch)
-        problem.step.provider_data = provider.prepare(problem.step)
-        splits = problem.step.provider_data.num_kv_splits
-        config = f"n{provider.block_n} w{provider.num_warps} s{provider.num_stages} splits={splits}"
-        try:
-            rows.append(time_row(problem, "triton", problem.triton, copy_bw, config=config))
-        except Exception as error:  # a launch the compiler or the GPU refuses
-            print(f"skipped {config}: {type(error).__name__}: {str(error)[:80]}")
-    vars(provider).update(saved)
-    problem.step.provider_data = provider.prepare(problem.step)
-    return sorted(rows, key=lambda row: row["us"])[:3]
+    for launch in launch_grid(problem):
+        with provider_settings(problem, **launch):
+            config = describe(problem)
+            try:
+                error = max_error(problem)
+                rows.append(
+                    time_row(
+                        problem, "triton", problem.triton, copy_bw, config=config, max_err=error
+                    )
+                )
+            except Exception as failure:  # a launch the compiler or the GPU refuses
+                print(f"skipped {config}: {type(failure).__name__}: {str(failure)[:80]}")
+    return sorted(rows, key=lambda row: row["us"])
+
+
+def default_rows(problem: Problem, copy_bw: float) -> list[dict[str, Any]]:
+    """The default kernel, the portable one (where the default is another), torch bmm."""
+    ours = time_row(
+        problem,
+        "triton",
+        problem.triton,
+        copy_bw,
+        config=describe(problem),
+        max_err=max_error(problem),
+    )
+    rows = [ours]
+    if problem.step.provider_data.hopper is not None:
+        with provider_settings(problem, hopper_decode=False):
+            rows.append(
+                time_row(
+                    problem,
+                    "portable",
+                    problem.triton,
+                    copy_bw,
+                    config=describe(problem),
+                    max_err=max_error(problem),
+                )
+            )
+    rows.append(time_row(problem, "torch bmm", problem.torch_baseline, copy_bw))
+    for row in rows[1:]:
+        ours["x " + row["kernel"].split()[-1]] = row["us"] / ours["us"]
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     args = parser.parse_args()
     device = _timing.require_cuda()
     spec = MLASpec(
@@ -139,23 +212,18 @@ def main() -> None:
     copy_bw = _timing.copy_bandwidth(device)
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
     rows, best = [], []
-    for batch in BATCHES:
+    for batch in args.batches:
         problem = Problem(spec, batch, device)
-        error = (problem.triton().float() - problem.torch_baseline().float()).abs().max().item()
-        splits = problem.step.provider_data.num_kv_splits
-        rows.append(
-            time_row(problem, "triton", problem.triton, copy_bw, splits=splits, max_err=error)
-        )
-        rows.append(time_row(problem, "torch bmm", problem.torch_baseline, copy_bw))
+        rows.extend(default_rows(problem, copy_bw))
         if args.tune:
             best.extend(tuned_rows(problem, copy_bw))
         del problem
         torch.cuda.empty_cache()
-    columns = ["batch", "kernel", "us", "GB/s", "of_copy", "splits", "max_err"]
-    _timing.print_table(columns, rows)
+    columns = ["batch", "kernel", "us", "GB/s", "of_copy", "x portable", "x bmm", "config"]
+    _timing.print_table([*columns, "max_err"], rows)
     if best:
         print("\nbest launches (--tune):")
-        _timing.print_table(["batch", "config", "us", "GB/s", "of_copy"], best)
+        _timing.print_table(["batch", "config", "us", "GB/s", "of_copy", "max_err"], best)
     _timing.write_json(
         f"mla_decode_h{args.heads}",
         {

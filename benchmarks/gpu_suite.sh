@@ -6,7 +6,8 @@
 # one log per pytest process beside the mode's log).
 #
 #   bash benchmarks/gpu_suite.sh sweep   # launch sweeps: the Gluon prefill's stages, decode --sweep,
-#                                        # plan host time, decoder step, MLA decode --tune
+#                                        # plan host time, decoder step, MLA decode --tune (16
+#                                        # and 128 heads)
 #   bash benchmarks/gpu_suite.sh tests   # the `-m cuda` tests of npu-attention and npu-graphs
 #                                        # (four processes at once: 4 minutes on a fresh H100 machine)
 #   bash benchmarks/gpu_suite.sh final   # every benchmark at its defaults
@@ -39,12 +40,14 @@ case $mode in
         part decode_sweep 180 python benchmarks/bench_decode_attention.py --sweep
         part plan_host 60 python benchmarks/bench_decoder_step.py --plan-only
         part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
-        part mla_decode 90 python benchmarks/bench_mla_decode.py --tune
+        part mla_decode 40 python benchmarks/bench_mla_decode.py --tune
+        part mla_decode_128 60 python benchmarks/bench_mla_decode.py --tune --heads 128
         ;;
     tests)  # four pytest processes at once: compiling the Triton variants is the long part
         attention=packages/npu-attention/tests
         triton_rest="$attention/test_triton_plan_run.py $attention/test_triton_context_parallel.py
-            $attention/test_triton_hopper_prefill.py $attention/test_triton_hopper_decode.py"
+            $attention/test_triton_hopper_prefill.py $attention/test_triton_hopper_decode.py
+            $attention/test_triton_hopper_mla_decode.py"
         pytest_cuda=(python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5)
         part_log=$dest/tests_provider.log part tests_provider 560 "${pytest_cuda[@]}" \
             "$attention/test_triton_provider.py" -k "not gpu_head_sizes" &
@@ -64,6 +67,7 @@ case $mode in
         part decode 200 python benchmarks/bench_decode_attention.py
         part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
         part mla_decode 40 python benchmarks/bench_mla_decode.py
+        part mla_decode_128 40 python benchmarks/bench_mla_decode.py --heads 128
         ;;
     *)
         echo "usage: $0 sweep|tests|final" >&2

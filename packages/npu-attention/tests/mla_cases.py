@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from npu_attention_cases import lengths_on_device
 
-from npu_attention import AttentionPlan, plan
+from npu_attention import AttentionPlan, PlanBuffers, plan
 from npu_attention.mla import (
     LatentCache,
     MLASpec,
@@ -155,19 +155,28 @@ def make_mla_case(
     )
 
 
-def oracle_decode(case: MLACase) -> torch.Tensor:
-    """Absorbed attention of the decode rows in float64: ``[decode_tokens, N, L]``."""
-    spec, lat = case.spec, case.spec.kv_lora_rank
-    rows = []
+def _decode_scores(case: MLACase):
+    """Each decode row's scaled scores ``[N, keys]`` and visible latents ``[keys, L +
+    R]``, in float64 on the CPU, row by row."""
     for i in range(case.num_decodes):
         latent = case.latents[i].double().cpu()
         start = case.cu_seqlens_q[i]
         for t in range(case.query_lens[i]):
             visible = latent[: case.context_lens[i] + t + 1]
             q = torch.cat([case.q_latent[start + t], case.q_rope[start + t]], -1).double().cpu()
-            scores = (q @ visible.T) * spec.softmax_scale  # [N, keys]
-            rows.append(scores.softmax(-1) @ visible[:, :lat])
+            yield (q @ visible.T) * case.spec.softmax_scale, visible
+
+
+def oracle_decode(case: MLACase) -> torch.Tensor:
+    """Absorbed attention of the decode rows in float64: ``[decode_tokens, N, L]``."""
+    spec, lat = case.spec, case.spec.kv_lora_rank
+    rows = [scores.softmax(-1) @ visible[:, :lat] for scores, visible in _decode_scores(case)]
     return torch.stack(rows) if rows else torch.zeros(0, spec.num_heads, lat, dtype=torch.float64)
+
+
+def oracle_decode_lse(case: MLACase) -> torch.Tensor:
+    """Natural-log log-sum-exp of each decode row's scaled scores: ``[decode_tokens, N]``."""
+    return torch.stack([torch.logsumexp(scores, -1) for scores, _ in _decode_scores(case)])
 
 
 def decompressed(case: MLACase, request: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,3 +284,51 @@ def _nan_cache(spec: MLASpec, num_blocks: int, layout: str, device: torch.device
     cache.kv_c.fill_(float("nan"))
     cache.k_pe.fill_(float("nan"))
     return cache
+
+
+def assert_decode_graph_replays(spec: MLASpec, device: str = "cuda") -> None:
+    """Decode captured once in a CUDA graph with fixed plan buffers, replayed for the
+    next step (other lengths, pages, queries and latents, every unused cache slot NaN):
+    each replay matches the oracle of its own step. Decodes of 1 token, block size 16."""
+    buffers = PlanBuffers.allocate(4, 4, max_blocks_per_req=64, device=device)
+    cache = LatentCache(
+        torch.empty(256, 16, spec.kv_lora_rank, dtype=spec.dtype, device=device),
+        torch.empty(256, 16, spec.qk_rope_head_dim, dtype=spec.dtype, device=device),
+    )
+    cases = [
+        make_mla_case(spec, [1] * 4, [100, 5, 700, 33], 4, device=device, seed=1),
+        make_mla_case(spec, [1] * 4, [900, 250, 2, 64], 4, device=device, seed=2),
+    ]
+    q_latent, q_rope = cases[0].q_latent.clone(), cases[0].q_rope.clone()
+    out = torch.full_like(q_latent, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    for index, case in enumerate(cases):
+        paged = case.paged(np.random.default_rng(index))
+        for plane, pages in zip(cache, paged.cache):
+            plane.fill_(float("nan"))
+            plane[: paged.num_blocks].copy_(pages)
+        tables = torch.zeros(4, 64, dtype=torch.int64)
+        tables[:, : paged.block_tables.shape[1]] = paged.block_tables
+        step = plan(
+            case.cu_seqlens_q,
+            case.seq_lens,
+            tables.to(device),
+            paged.slot_mapping.to(device),
+            4,
+            spec,
+            provider="triton",
+            buffers=buffers,
+        )
+        mla_write_cache(*case.new_latents(), cache, step)
+        q_latent.copy_(case.q_latent)
+        q_rope.copy_(case.q_rope)
+        if index == 0:
+            mla_decode(q_latent, q_rope, cache, step, out)  # compile outside the capture
+            with torch.cuda.graph(graph):
+                mla_decode(q_latent, q_rope, cache, step, out)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(
+            out.cpu().double(), oracle_decode(case), **MLA_TOLERANCE[spec.dtype]
+        )

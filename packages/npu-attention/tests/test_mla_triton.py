@@ -10,22 +10,20 @@ a cast gave errors of 1e10 in a 16x16 check), so its half-precision case is floa
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from mla_cases import (
-    MLA_TOLERANCE,
     SMALL_SPEC,
+    assert_decode_graph_replays,
     assert_latents_written,
     assert_mla_matches_oracle,
     make_mla_case,
-    oracle_decode,
     run_mla_case,
 )
 from triton_interpreter import DEVICE, HAS_CUDA
 
-from npu_attention import PlanBuffers, get_provider, plan
-from npu_attention.mla import LatentCache, MLASpec, mla_decode, mla_write_cache
+from npu_attention import get_provider
+from npu_attention.mla import MLASpec
 
 pytest.importorskip("triton")
 
@@ -117,44 +115,6 @@ def test_gpu_deepseek_widths(num_heads: int, spec_tokens: int, block_size: int) 
 def test_gpu_graph_replay_reads_the_refreshed_plan() -> None:
     """Decode captured once with fixed buffers, replayed for a second step with other
     lengths and pages: each replay matches the oracle of its own step."""
-    spec = _spec(torch.bfloat16, num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
-    buffers = PlanBuffers.allocate(4, 4, max_blocks_per_req=64, device="cuda")
-    cache = LatentCache(
-        torch.zeros(256, 16, 512, dtype=spec.dtype, device="cuda"),
-        torch.zeros(256, 16, 64, dtype=spec.dtype, device="cuda"),
+    assert_decode_graph_replays(
+        _spec(torch.bfloat16, num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
     )
-    cases = [
-        make_mla_case(spec, [1] * 4, [100, 5, 700, 33], 4, device="cuda", seed=1),
-        make_mla_case(spec, [1] * 4, [900, 250, 2, 64], 4, device="cuda", seed=2),
-    ]
-    q_latent, q_rope = cases[0].q_latent.clone(), cases[0].q_rope.clone()
-    out = torch.zeros_like(q_latent)
-    graph = torch.cuda.CUDAGraph()
-    for index, case in enumerate(cases):
-        paged = case.paged(np.random.default_rng(index))
-        cache.kv_c[: paged.num_blocks].copy_(paged.cache.kv_c.nan_to_num())
-        cache.k_pe[: paged.num_blocks].copy_(paged.cache.k_pe.nan_to_num())
-        tables = torch.zeros(4, 64, dtype=torch.int64)
-        tables[:, : paged.block_tables.shape[1]] = paged.block_tables
-        step = plan(
-            case.cu_seqlens_q,
-            case.seq_lens,
-            tables.cuda(),
-            paged.slot_mapping.cuda(),
-            4,
-            spec,
-            provider="triton",
-            buffers=buffers,
-        )
-        mla_write_cache(*case.new_latents(), cache, step)
-        q_latent.copy_(case.q_latent)
-        q_rope.copy_(case.q_rope)
-        if index == 0:
-            mla_decode(q_latent, q_rope, cache, step, out)  # compile outside the capture
-            with torch.cuda.graph(graph):
-                mla_decode(q_latent, q_rope, cache, step, out)
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(
-            out.cpu().double(), oracle_decode(case), **MLA_TOLERANCE[torch.bfloat16]
-        )

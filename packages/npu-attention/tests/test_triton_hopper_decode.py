@@ -277,12 +277,12 @@ def test_gpu_hopper_decode_off_or_untested_triton_keeps_the_portable_kernel(
     assert not batch.plan.provider._hopper_decode_takes(spec, 2, batch.device)
     batch.plan.provider.hopper_decode = True
     monkeypatch.setattr(triton_provider, "_GLUON_TRITON_VERSIONS", ())
-    triton_provider._gluon_kernels.cache_clear()
+    triton_provider.gluon_kernels.cache_clear()
     try:
         assert triton_provider._hopper_decode_kernels(torch.device("cuda")) is None
         assert_matches_reference(batch, batch.run())
     finally:
-        triton_provider._gluon_kernels.cache_clear()
+        triton_provider.gluon_kernels.cache_clear()
     assert launches == []
 
 

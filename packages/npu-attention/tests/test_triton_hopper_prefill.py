@@ -159,12 +159,12 @@ def test_gpu_hopper_prefill_off_or_untested_triton_keeps_the_portable_kernel(
     assert_matches_reference(batch, attend_with_own_rows(batch))
     batch.plan.provider.hopper_prefill = True
     monkeypatch.setattr(triton_provider, "_GLUON_TRITON_VERSIONS", ())
-    triton_provider._gluon_kernels.cache_clear()
+    triton_provider.gluon_kernels.cache_clear()
     try:
         assert triton_provider._hopper_prefill_kernels(torch.device("cuda")) is None
         assert_matches_reference(batch, attend_with_own_rows(batch))
     finally:
-        triton_provider._gluon_kernels.cache_clear()
+        triton_provider.gluon_kernels.cache_clear()
     assert launches == []
 
 

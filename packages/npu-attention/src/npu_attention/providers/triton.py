@@ -433,10 +433,10 @@ _GLUON_TRITON_VERSIONS = ((3, 6),)
 
 
 @functools.lru_cache(maxsize=16)
-def _gluon_kernels(device: torch.device, name: str):
-    """The Gluon kernel module ``name`` (``hopper_prefill``, ``hopper_decode``) where
-    ``device`` can run it (a CUDA GPU of compute capability 9.x, a Triton whose Gluon it
-    ran on), else ``None``."""
+def gluon_kernels(device: torch.device, name: str):
+    """The Gluon kernel module ``name`` (``hopper_prefill``, ``hopper_decode``,
+    ``hopper_mla_decode``) where ``device`` can run it (a CUDA GPU of compute capability
+    9.x, a Triton whose Gluon it ran on), else ``None``."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
     import triton
@@ -449,12 +449,12 @@ def _gluon_kernels(device: torch.device, name: str):
 
 def _hopper_prefill_kernels(device: torch.device):
     """The ``hopper_prefill`` module where ``device`` can run it, else ``None``."""
-    return _gluon_kernels(device, "hopper_prefill")
+    return gluon_kernels(device, "hopper_prefill")
 
 
 def _hopper_decode_kernels(device: torch.device):
     """The ``hopper_decode`` module where ``device`` can run it, else ``None``."""
-    return _gluon_kernels(device, "hopper_decode")
+    return gluon_kernels(device, "hopper_decode")
 
 
 def _multiprocessors(device: torch.device) -> int:

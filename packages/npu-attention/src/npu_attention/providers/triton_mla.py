@@ -1,16 +1,20 @@
 """The ``triton`` MLA provider: latent cache writes and absorbed decode as Triton kernels.
 
-``prepare`` (once per step) picks the number of KV splits of the decode launch;
-``write_cache`` and ``decode`` only launch kernels that read the step from the
-plan's device tensors, so both can be captured in a device graph and replayed
-after the plan's fixed buffers are refreshed. Prefill (non-absorbed) runs the
-reference provider's PyTorch path on the same device.
+``prepare`` (once per step) picks the decode kernel and its number of KV splits:
+on GPUs of compute capability 9.x with Triton 3.6, DeepSeek's widths (latent 512,
+rope 64) go to the Gluon kernel of ``hopper_mla_decode.py``; everything else (other
+widths, float32, other GPUs and Triton versions, triton-ascend) to the portable
+kernel of ``mla_decode.py``. ``write_cache`` and ``decode`` only launch kernels that
+read the step from the plan's device tensors, so both can be captured in a device
+graph and replayed after the plan's fixed buffers are refreshed. Prefill
+(non-absorbed) runs the reference provider's PyTorch path on the same device.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -20,6 +24,7 @@ from npu_attention.mla.spec import MLASpec
 from npu_attention.plan import AttentionPlan
 from npu_attention.providers.mla_base import require_cache
 from npu_attention.providers.reference_mla import PrefillPages, ReferenceMLAProvider, prefill_pages
+from npu_attention.providers.triton import gluon_kernels
 
 if TYPE_CHECKING:  # triton is optional: its kernels are imported where they run
     from npu_attention.providers.triton_kernels.mla_decode import MLADecodeConfig
@@ -28,14 +33,27 @@ _MAX_KV_SPLITS = 64
 
 
 @dataclass(frozen=True)
+class HopperMLALaunch:
+    """The Gluon decode's launch: ``heads`` query heads a program at most, ``block_n``
+    keys a tile, ``stages`` tiles in flight."""
+
+    heads: int
+    block_n: int
+    stages: int
+
+
+@dataclass(frozen=True)
 class TritonMLAData:
     """``num_kv_splits``: decode programs along each request's keys; ``decode``: the
-    step's decode launch, made once for every layer (``None`` without decodes);
-    ``prefill``: the reference provider's prefill pages (``None`` without prefills)."""
+    portable kernel's decode launch, made once for every layer (``None`` without
+    decodes); ``hopper``: the Gluon kernel's launch when it takes the step's decodes
+    (``decode`` stays the fallback for tensors it refuses); ``prefill``: the reference
+    provider's prefill pages (``None`` without prefills)."""
 
     num_kv_splits: int
     prefill: PrefillPages | None
     decode: MLADecodeConfig | None = None
+    hopper: HopperMLALaunch | None = None
 
 
 class TritonMLAProvider(ReferenceMLAProvider):
@@ -50,6 +68,13 @@ class TritonMLAProvider(ReferenceMLAProvider):
         target_waves: a split decode launches at most this many programs per
             multiprocessor (the split count is rounded down to fit).
         fixed_kv_splits: when set, every decode launch uses this many splits.
+        hopper_decode, hopper_launch: the Gluon decode on or off, and its launch
+            (``block_n`` keys a tile, ``num_stages`` tiles in flight).
+        hopper_min_tokens_per_split, hopper_min_fill: the Gluon decode's splits: the
+            smallest share of a request's keys, and the fill of the waves' program
+            slots that stops adding splits (see ``_hopper_splits``).
+        hopper_min_programs: decodes with fewer programs than this share of the
+            multiprocessors take fewer query heads a program (see ``_hopper_heads``).
     """
 
     name: ClassVar[str] = "triton"
@@ -71,6 +96,16 @@ class TritonMLAProvider(ReferenceMLAProvider):
         self.min_tokens_per_split = 64
         self.target_waves = 2
         self.fixed_kv_splits: int | None = None
+        # The Gluon decode (``hopper_mla_decode.py``) on GPUs of compute capability 9.x
+        # with Triton 3.6, with the settings taken after measuring on an H200: tiles of
+        # 64 keys, two in flight (the most that fit beside 64 query rows), for every
+        # program's rows; splits that fill the multiprocessors (``_hopper_splits``); fewer
+        # heads a program for small batches of many heads (``_hopper_heads``).
+        self.hopper_decode = True
+        self.hopper_launch: dict[str, int] = {"block_n": 64, "num_stages": 2}
+        self.hopper_min_tokens_per_split = 64
+        self.hopper_min_fill = 0.9
+        self.hopper_min_programs = 0.25
 
     @classmethod
     def is_available(cls) -> bool:
@@ -87,12 +122,16 @@ class TritonMLAProvider(ReferenceMLAProvider):
 
     def prepare(self, plan: AttentionPlan) -> TritonMLAData:
         require_cache(plan)
-        splits, decode = 1, None
+        splits, decode, hopper = 1, None, None
         if plan.num_decodes:
-            splits = self._num_kv_splits(plan)
+            hopper = self.hopper_launch_for(plan)
+            if hopper is None:
+                splits = self._num_kv_splits(plan)
+            else:
+                splits = self._hopper_splits(plan, hopper)
             decode = self.decode_config(plan.spec, splits)
         prefill = prefill_pages(plan) if plan.num_decodes < plan.num_reqs else None
-        return TritonMLAData(num_kv_splits=splits, prefill=prefill, decode=decode)
+        return TritonMLAData(splits, prefill, decode, hopper)
 
     def write_cache(
         self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: AttentionPlan
@@ -116,6 +155,8 @@ class TritonMLAProvider(ReferenceMLAProvider):
         from npu_attention.providers.triton_kernels.mla_decode import mla_decode_attention
 
         spec = plan.spec
+        if self._decode_hopper(q_latent, q_rope, cache, plan, out, lse):
+            return
         mla_decode_attention(
             q_latent,
             q_rope,
@@ -132,6 +173,75 @@ class TritonMLAProvider(ReferenceMLAProvider):
             config=plan.provider_data.decode,
             lse=lse,
         )
+
+    def hopper_launch_for(self, plan: AttentionPlan) -> HopperMLALaunch | None:
+        """The Gluon decode's launch for the plan's decodes, or ``None`` where it does
+        not take them (the tensors are checked again at ``decode``)."""
+        spec = plan.spec
+        kernels = gluon_kernels(plan.device, "hopper_mla_decode") if self.hopper_decode else None
+        tokens = 1 + spec.num_speculative_tokens
+        if kernels is None or not kernels.shape_supported(
+            spec.kv_lora_rank, spec.qk_rope_head_dim, spec.dtype, spec.block_size, tokens
+        ):
+            return None
+        heads = self._hopper_heads(plan, kernels.program_rows)
+        launch = self.hopper_launch
+        return HopperMLALaunch(heads, launch["block_n"], launch["num_stages"])
+
+    def _hopper_heads(self, plan: AttentionPlan, program_rows) -> int:
+        """Query heads a Gluon program takes: as many as fit its rows, halved (down to
+        16) while the requests' programs number fewer than ``hopper_min_programs`` of
+        the multiprocessors. Small batches of many heads then read the latents once
+        per head group (the second time from the L2) rather than splitting the keys
+        into many more shares, each writing float32 partial rows of every head."""
+        from npu_attention.providers.triton_kernels.utils import multiprocessor_count
+
+        spec = plan.spec
+        heads, _ = program_rows(spec.num_heads, 1 + spec.num_speculative_tokens)
+        wanted = self.hopper_min_programs * multiprocessor_count(plan.device)
+        while heads > 16 and plan.num_decodes * -(-spec.num_heads // heads) < wanted:
+            heads //= 2
+        return heads
+
+    def _decode_hopper(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache: LatentCache,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> bool:
+        """Run the decodes through the Gluon kernel when the step chose it and it takes
+        the tensors; ``False``: nothing ran, and the portable kernel serves them."""
+        launch = plan.provider_data.hopper
+        if launch is None:
+            return False
+        kernels = gluon_kernels(q_latent.device, "hopper_mla_decode")
+        if kernels is None or not kernels.hopper_mla_decode_supported(
+            q_latent, q_rope, cache.kv_c, cache.k_pe, out
+        ):
+            return False
+        kernels.hopper_mla_decode(
+            q_latent,
+            q_rope,
+            cache.kv_c,
+            cache.k_pe,
+            out,
+            plan.cu_seqlens_q,
+            plan.seq_lens,
+            plan.block_tables,
+            num_decodes=plan.num_decodes,
+            num_decode_tokens=plan.num_decode_tokens,
+            tokens_per_req=1 + plan.spec.num_speculative_tokens,
+            scale=plan.spec.softmax_scale,
+            num_splits=plan.provider_data.num_kv_splits,
+            lse=lse,
+            block_n=launch.block_n,
+            stages=launch.stages,
+            max_heads=launch.heads,
+        )
+        return True
 
     def decode_config(self, spec: MLASpec, num_kv_splits: int) -> MLADecodeConfig:
         """The decode launch for ``spec``: programs of 64 rows (heads x query tokens) or
@@ -168,3 +278,25 @@ class TritonMLAProvider(ReferenceMLAProvider):
         by_occupancy = self.target_waves * multiprocessor_count(plan.device) // programs
         by_length = -(-plan.max_seq_len // self.min_tokens_per_split)
         return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
+
+    def _hopper_splits(self, plan: AttentionPlan, launch: HopperMLALaunch) -> int:
+        """Splits of the Gluon decode: counts up to 64 whose shares of the longest
+        request are whole tiles of at least ``hopper_min_tokens_per_split``
+        keys with no split left empty; the fewest whose programs fill
+        ``hopper_min_fill`` of their waves' program slots (one block per
+        multiprocessor), else the count that fills the most."""
+        if self.fixed_kv_splits is not None:
+            return self.fixed_kv_splits
+        from npu_attention.providers.triton_kernels.utils import multiprocessor_count
+
+        programs = plan.num_decodes * -(-plan.spec.num_heads // launch.heads)
+        slots = multiprocessor_count(plan.device)
+
+        def fill(splits: int) -> Fraction:
+            return Fraction(programs * splits, slots * -(-programs * splits // slots))
+
+        tiles = max(1, -(-plan.max_seq_len // launch.block_n))
+        longest = min(_MAX_KV_SPLITS, -(-plan.max_seq_len // self.hopper_min_tokens_per_split))
+        counts = [n for n in range(1, max(1, longest) + 1) if -(-tiles // -(-tiles // n)) == n]
+        enough = [n for n in counts if fill(n) >= self.hopper_min_fill]
+        return enough[0] if enough else max(counts, key=lambda n: (fill(n), -n))

@@ -233,7 +233,7 @@ if HAVE_GLUON:
             self.write_lse = gl.constexpr(write_lse)
 
     @gluon.jit
-    def _key_range(seq_len, BLOCK_N: gl.constexpr):
+    def split_key_range(seq_len, BLOCK_N: gl.constexpr):
         """This program's keys ``[lo, hi)``: an equal share, in whole tiles, of the
         request's ``seq_len`` keys over the programs along axis 2."""
         split = gl.program_id(2)
@@ -243,7 +243,7 @@ if HAVE_GLUON:
         return lo, hi
 
     @gluon.jit
-    def _tile_pages(
+    def tile_pages(
         block_table_row, table_width, first_key, hi, offs,
         PAGE_ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     ):  # fmt: skip
@@ -252,6 +252,25 @@ if HAVE_GLUON:
         keys = first_key + offs * PAGE_ROWS
         entry = keys // BLOCK_SIZE
         return gl.load(block_table_row + entry, mask=(keys < hi) & (entry < table_width), other=0)
+
+    @gluon.jit
+    def first_tile_pages(
+        block_table_row, table_width, seq_len_ptr, offs,
+        PAGE_ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+        SPLIT: gl.constexpr,
+    ):  # fmt: skip
+        """A loader's start: its request's length, its keys ``[lo, hi)``
+        (:func:`split_key_range`), its tile count, and the page ids of its first tile
+        (see :func:`tile_pages`); unsplit, those need no length and are read alongside it."""
+        if not SPLIT:
+            pages = tile_pages(block_table_row, table_width, 0, table_width * BLOCK_SIZE, offs,
+                               PAGE_ROWS, BLOCK_SIZE)  # fmt: skip
+        seq_len = gl.load(seq_len_ptr)
+        lo, hi = split_key_range(seq_len, BLOCK_N)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        if SPLIT:
+            pages = tile_pages(block_table_row, table_width, lo, hi, offs, PAGE_ROWS, BLOCK_SIZE)
+        return pages, lo, hi, num_tiles
 
     @gluon.jit
     def _fetch_piece(desc, smem, ready, stage, piece, coord, valid):
@@ -283,17 +302,12 @@ if HAVE_GLUON:
         col = gl.program_id(1) * HEAD
         row = block_tables_ptr + req.to(gl.int64) * stride_bt
         offs = gl.arange(0, PIECES, layout=layout)
-        if not shape.split:  # the first pages need no length: read them alongside it
-            pages = _tile_pages(row, table_width, 0, table_width * BLOCK_SIZE, offs,
-                                PAGE_ROWS, BLOCK_SIZE)  # fmt: skip
-        seq_len = gl.load(seq_lens_ptr + req)
-        lo, hi = _key_range(seq_len, BLOCK_N)
-        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-        if shape.split:
-            pages = _tile_pages(row, table_width, lo, hi, offs, PAGE_ROWS, BLOCK_SIZE)
+        pages, lo, hi, num_tiles = first_tile_pages(
+            row, table_width, seq_lens_ptr + req, offs, PAGE_ROWS, BLOCK_SIZE, BLOCK_N, shape.split
+        )
         for j in range(num_tiles):
             first = lo + j * BLOCK_N
-            upcoming = _tile_pages(
+            upcoming = tile_pages(
                 row, table_width, first + BLOCK_N, hi, offs, PAGE_ROWS, BLOCK_SIZE
             )
             stage = j % STAGES
@@ -359,7 +373,7 @@ if HAVE_GLUON:
         q_start = gl.load(cu_seqlens_q_ptr + req)
         q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
         seq_len = gl.load(seq_lens_ptr + req)
-        lo, hi = _key_range(seq_len, BLOCK_N)
+        lo, hi = split_key_range(seq_len, BLOCK_N)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
         q = _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, HEAD, shape, plain)
         q = gl.convert_layout(q, a_layout)

@@ -197,7 +197,8 @@ def _merge_splits_kernel(
     stride_lh,
     NUM_HEADS: tl.constexpr,
     LATENT: tl.constexpr,
-    LATENT_PAD: tl.constexpr,
+    PARTIAL_WIDTH: tl.constexpr,
+    CHUNK: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -205,15 +206,15 @@ def _merge_splits_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_l = tl.arange(0, LATENT_PAD)
+    offs_l = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
     s_ok = offs_s < SPLITS
     first = (token * NUM_HEADS + head) * SPLITS
     lse = tl.load(partial_lse_ptr + first + offs_s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     weights = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     parts = tl.load(
-        partial_out_ptr + (first + offs_s)[:, None] * LATENT_PAD + offs_l[None, :],
-        mask=s_ok[:, None],
+        partial_out_ptr + (first + offs_s)[:, None] * PARTIAL_WIDTH + offs_l[None, :],
+        mask=s_ok[:, None] & (offs_l < LATENT)[None, :],
         other=0.0,
     )
     total = tl.sum(weights, 0)
@@ -225,7 +226,45 @@ def _merge_splits_kernel(
     )
     if WRITE_LSE:
         row_lse = tl.where(total == 0.0, float("-inf"), top + tl.log2(total))
-        tl.store(lse_ptr + token * stride_lt + head * stride_lh, row_lse * 0.6931471805599453)
+        lse_dst = lse_ptr + token * stride_lt + head * stride_lh
+        tl.store(lse_dst, row_lse * 0.6931471805599453, mask=tl.program_id(2) == 0)
+
+
+def merge_mla_splits(
+    out: torch.Tensor,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    lse: torch.Tensor | None,
+    num_decode_tokens: int,
+    num_splits: int,
+) -> None:
+    """Merge a split decode's partial rows into ``out`` ``[tokens, N, L]`` (and ``lse``,
+    natural log, when given), rows ``< num_decode_tokens``.
+
+    ``partial_out`` float32 ``[num_decode_tokens * N * num_splits, >= L]`` and
+    ``partial_lse`` float32 ``[num_decode_tokens * N * num_splits]`` (log2 domain): row
+    ``(token * N + head) * num_splits + split``. A program merges 128 columns of one row.
+    """
+    num_heads, latent = out.shape[1], out.shape[2]
+    chunk = min(128, next_power_of_2(max(latent, 16)))
+    lse_arg = out if lse is None else lse  # unused without WRITE_LSE
+    lse_strides = (0, 0) if lse is None else lse.stride()
+    _merge_splits_kernel[(num_decode_tokens, num_heads, triton.cdiv(latent, chunk))](
+        partial_out,
+        partial_lse,
+        out,
+        lse_arg,
+        *out.stride(),
+        *lse_strides,
+        NUM_HEADS=num_heads,
+        LATENT=latent,
+        PARTIAL_WIDTH=partial_out.shape[1],
+        CHUNK=chunk,
+        SPLITS=num_splits,
+        SPLITS_PAD=next_power_of_2(num_splits),
+        WRITE_LSE=lse is not None,
+        num_warps=4,
+    )
 
 
 def mla_decode_attention(
@@ -313,18 +352,4 @@ def mla_decode_attention(
         num_stages=config.num_stages,
     )
     if splits > 1:
-        _merge_splits_kernel[(num_decode_tokens, num_heads)](
-            partial_out,
-            partial_lse,
-            out,
-            lse_arg,
-            *out.stride(),
-            *lse_strides,
-            NUM_HEADS=num_heads,
-            LATENT=latent,
-            LATENT_PAD=latent_pad,
-            SPLITS=splits,
-            SPLITS_PAD=next_power_of_2(splits),
-            WRITE_LSE=lse is not None,
-            num_warps=4,
-        )
+        merge_mla_splits(out, partial_out, partial_lse, lse, num_decode_tokens, splits)
