@@ -197,8 +197,7 @@ def _merge_splits_kernel(
     stride_lh,
     NUM_HEADS: tl.constexpr,
     LATENT: tl.constexpr,
-    PARTIAL_WIDTH: tl.constexpr,
-    CHUNK: tl.constexpr,
+    LATENT_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     WRITE_LSE: tl.constexpr,
@@ -206,15 +205,15 @@ def _merge_splits_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_l = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
+    offs_l = tl.arange(0, LATENT_PAD)
     s_ok = offs_s < SPLITS
     first = (token * NUM_HEADS + head) * SPLITS
     lse = tl.load(partial_lse_ptr + first + offs_s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     weights = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     parts = tl.load(
-        partial_out_ptr + (first + offs_s)[:, None] * PARTIAL_WIDTH + offs_l[None, :],
-        mask=s_ok[:, None] & (offs_l < LATENT)[None, :],
+        partial_out_ptr + (first + offs_s)[:, None] * LATENT_PAD + offs_l[None, :],
+        mask=s_ok[:, None],
         other=0.0,
     )
     total = tl.sum(weights, 0)
@@ -226,8 +225,7 @@ def _merge_splits_kernel(
     )
     if WRITE_LSE:
         row_lse = tl.where(total == 0.0, float("-inf"), top + tl.log2(total))
-        lse_dst = lse_ptr + token * stride_lt + head * stride_lh
-        tl.store(lse_dst, row_lse * 0.6931471805599453, mask=tl.program_id(2) == 0)
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh, row_lse * 0.6931471805599453)
 
 
 def merge_mla_splits(
@@ -239,17 +237,16 @@ def merge_mla_splits(
     num_splits: int,
 ) -> None:
     """Merge a split decode's partial rows into ``out`` ``[tokens, N, L]`` (and ``lse``,
-    natural log, when given), rows ``< num_decode_tokens``.
+    natural log, when given), rows ``< num_decode_tokens``; a program per row.
 
-    ``partial_out`` float32 ``[num_decode_tokens * N * num_splits, >= L]`` and
-    ``partial_lse`` float32 ``[num_decode_tokens * N * num_splits]`` (log2 domain): row
-    ``(token * N + head) * num_splits + split``. A program merges 128 columns of one row.
+    ``partial_out`` float32 ``[num_decode_tokens * N * num_splits, L_pad]`` (``L``
+    rounded up to a power of two) and ``partial_lse`` float32 ``[num_decode_tokens * N *
+    num_splits]`` (log2 domain): row ``(token * N + head) * num_splits + split``.
     """
     num_heads, latent = out.shape[1], out.shape[2]
-    chunk = min(128, next_power_of_2(max(latent, 16)))
     lse_arg = out if lse is None else lse  # unused without WRITE_LSE
     lse_strides = (0, 0) if lse is None else lse.stride()
-    _merge_splits_kernel[(num_decode_tokens, num_heads, triton.cdiv(latent, chunk))](
+    _merge_splits_kernel[(num_decode_tokens, num_heads)](
         partial_out,
         partial_lse,
         out,
@@ -258,8 +255,7 @@ def merge_mla_splits(
         *lse_strides,
         NUM_HEADS=num_heads,
         LATENT=latent,
-        PARTIAL_WIDTH=partial_out.shape[1],
-        CHUNK=chunk,
+        LATENT_PAD=partial_out.shape[1],
         SPLITS=num_splits,
         SPLITS_PAD=next_power_of_2(num_splits),
         WRITE_LSE=lse is not None,
