@@ -17,6 +17,7 @@ drafter's FULL replays skip their task update. Output: one line per engine, ``RE
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -151,12 +152,20 @@ def _register_triton_overrides_once() -> None:
     platform.register_triton_kernel_overrides = staticmethod(once)
 
 
+def _override_host_settings(overrides: dict) -> None:
+    """Replace fields of the host platform's ``BridgeSettings`` (``{field: value}``)."""
+    from npu_vllm_bridge.platforms.host import HostPlatform
+
+    HostPlatform.bridge_settings = dataclasses.replace(HostPlatform.bridge_settings, **overrides)
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     states: Counter = Counter()
     _record_plan_states(states)
     _register_triton_overrides_once()
+    _override_host_settings(spec.get("host_platform", {}))
     for name, engine in spec["engines"].items():
         result = run_one(name, spec, engine, states)
         print("RESULT " + json.dumps(result), flush=True)

@@ -103,7 +103,6 @@ def test_full_decode_graphs_match_and_are_captured_replayed_and_updated(referenc
     _check_same_tokens(result["tokens"], hf, cpu_attn)
     counters = result["counters"]
     assert counters["captured"] == 3, counters
-    assert counters["off_grid_steps"] > 0, counters  # the 6-request decodes
     assert counters["replayed_steps"] > 0, counters
     assert counters["task_updates"] == counters["replayed_steps"], counters
     assert counters["eager_steps"] > 0, counters
@@ -124,7 +123,7 @@ def test_graphs_captured_at_first_use_match_and_cover_only_the_steps_seen(refere
     assert counters["capture_seconds"] > 0 and counters["capture_bytes"] > 0, counters
     assert counters["replayed_steps"] > 0, counters
     assert counters["task_updates"] == counters["replayed_steps"], counters
-    assert counters["off_grid_steps"] > 0, counters
+    assert counters["eager_steps"] > 0, counters  # prefills and 6-request steps
 
 
 def test_full_and_piecewise_graphs_match(references, tmp_path):
