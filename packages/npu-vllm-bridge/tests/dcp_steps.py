@@ -3,6 +3,7 @@ that spawned rank processes can import it)."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -113,3 +114,8 @@ def gloo_rank(rank: int, port: int, queue) -> None:
         queue.put((rank, out.numpy()))  # by value: the process exits after
     finally:
         dist.destroy_process_group()
+    queue.close()
+    queue.join_thread()
+    # Importing vLLM leaves native threads whose teardown at interpreter exit can abort
+    # the process after its work is done ("terminate called without an active exception").
+    os._exit(0)
