@@ -6,7 +6,15 @@ import pytest
 import torch
 from npu_graphs_cases import segment_mix
 
-from npu_graphs import MicroBatchRunner, RuntimeMode, TaskRegistry, graph_dispatch
+from npu_graphs import (
+    MicroBatchRunner,
+    PerMicroBatch,
+    RuntimeMode,
+    TaskRegistry,
+    TaskUpdateError,
+    graph_dispatch,
+    micro_batch_scope,
+)
 
 HIDDEN = 16
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -93,6 +101,114 @@ def test_tasks_inside_micro_batches_are_updatable(backend, device):
         out = runner(static, [6, 6]).clone()
     expected = torch.cat([segment_mix(part, seq_lens=[1, 5]) for part in static.split(6)])
     torch.testing.assert_close(out, expected, **TOL)
+
+
+def _per_micro_batch_model(registry, captured_steps):
+    """Two task layers per micro-batch, a hand-over between them; each micro-batch's
+    tasks capture its own step (``captured_steps[index]``)."""
+
+    def run(x, ctx):
+        step = captured_steps[ctx.index]
+        x = registry.call(segment_mix, torch.tanh(x), step=step["layer.0"], name="layer.0")
+        ctx.yield_turn()
+        return registry.call(segment_mix, x * 0.5, step=step["layer.1"], name="layer.1")
+
+    return run
+
+
+def _per_micro_batch_expected(static, splits, seq_lens):
+    parts = []
+    for part, lens in zip(static.split(list(splits)), seq_lens):
+        x = segment_mix(torch.tanh(part), seq_lens=lens)
+        parts.append(segment_mix(x * 0.5, seq_lens=lens))
+    return torch.cat(parts)
+
+
+def _named(seq_lens):
+    return {name: {"seq_lens": seq_lens} for name in ("layer.0", "layer.1")}
+
+
+def test_each_micro_batch_takes_its_own_step(backend, device):
+    """Unequal halves, each with its own requests: one graph, two micro-batches' tasks,
+    each updated with its micro-batch's step before every replay."""
+    if not backend.supports_task_update:
+        pytest.skip("host-list step arguments need task update")
+    registry = TaskRegistry("main", expected_tasks=4)
+    splits = (5, 7)
+    captured = [_named([2, 3]), _named([4, 3])]
+    runner = MicroBatchRunner(_per_micro_batch_model(registry, captured), backend=backend,
+                              tasks=registry)  # fmt: skip
+    static = torch.randn(12, HIDDEN).to(device)
+    with graph_dispatch(RuntimeMode.FULL, 12):
+        first = runner(static, splits).clone()
+    torch.testing.assert_close(first, _per_micro_batch_expected(static, splits, [[2, 3], [4, 3]]),
+                               **TOL)  # fmt: skip
+    tasks = registry.tasks(runner.graph_key(12, splits))
+    assert sorted(t.micro_batch for t in tasks) == [0, 0, 1, 1]
+    for seq_lens in ([[1, 4], [7]], [[5], [1, 1, 5]]):
+        runner.update_tasks(12, splits, [_named(lens) for lens in seq_lens])
+        with graph_dispatch(RuntimeMode.FULL, 12):
+            out = runner(static, splits).clone()
+        torch.testing.assert_close(out, _per_micro_batch_expected(static, splits, seq_lens), **TOL)
+
+
+def test_a_micro_batch_left_with_its_old_step_is_caught(backend, device):
+    """The control: hand micro-batch 1 the step it was captured with, and its rows stay
+    stale while micro-batch 0's follow the new step."""
+    if not backend.supports_task_update:
+        pytest.skip("host-list step arguments need task update")
+    registry = TaskRegistry("main")
+    splits = (6, 6)
+    captured = [_named([3, 3]), _named([3, 3])]
+    runner = MicroBatchRunner(_per_micro_batch_model(registry, captured), backend=backend,
+                              tasks=registry)  # fmt: skip
+    static = torch.randn(12, HIDDEN).to(device)
+    with graph_dispatch(RuntimeMode.FULL, 12):
+        runner(static, splits)
+    new = [[1, 5], [5, 1]]
+    runner.update_tasks(12, splits, [_named(new[0]), _named([3, 3])])
+    with graph_dispatch(RuntimeMode.FULL, 12):
+        out = runner(static, splits).clone()
+    expected = _per_micro_batch_expected(static, splits, new)
+    torch.testing.assert_close(out[:6], expected[:6], **TOL)
+    assert (out[6:] - expected[6:]).abs().max() > 1e-2
+
+
+def test_micro_batch_steps_must_fit(backend, device):
+    if not backend.supports_task_update:
+        pytest.skip("host-list step arguments need task update")
+    registry = TaskRegistry("main")
+    runner = MicroBatchRunner(
+        _per_micro_batch_model(registry, [_named([3]), _named([3])]), backend=backend,
+        tasks=registry,
+    )  # fmt: skip
+    static = torch.randn(6, HIDDEN).to(device)
+    with graph_dispatch(RuntimeMode.FULL, 6):
+        runner(static, [3, 3])
+    with pytest.raises(ValueError, match=r"2 micro-batches \[3, 3\] need one step each, got 1"):
+        runner.update_tasks(6, [3, 3], [_named([3])])
+    with pytest.raises(
+        TaskUpdateError, match="recorded in micro-batch 1; the update brought steps for 1"
+    ):
+        registry.update(runner.graph_key(6, (3, 3)), PerMicroBatch([_named([3])]))
+    with pytest.raises(ValueError, match="no task registry"):
+        MicroBatchRunner(lambda x, ctx: x, backend=backend).update_tasks(6, [3, 3], [{}, {}])
+
+
+def test_tasks_outside_micro_batches_refuse_per_micro_batch_steps():
+    registry = TaskRegistry("main")
+    from npu_graphs import GraphWrapper
+
+    graph = GraphWrapper(
+        lambda x: registry.call(segment_mix, x, step={"seq_lens": [2]}), backend="host",
+        tasks=registry,
+    )  # fmt: skip
+    with graph_dispatch(RuntimeMode.FULL, 2):
+        graph(torch.randn(2, HIDDEN))
+    with pytest.raises(TaskUpdateError, match="recorded outside micro-batches"):
+        registry.update(2, PerMicroBatch([{"seq_lens": [2]}]))
+    with pytest.raises(ValueError, match="int >= 0"), micro_batch_scope(-1):
+        pass
 
 
 def test_tuple_inputs_and_outputs(backend, device):

@@ -31,7 +31,14 @@ from npu_graphs.planner import (
     graphs_within_stream_budget,
     plan_capture,
 )
-from npu_graphs.tasks import TaskIssue, TaskRegistry, UpdatableTask, call_task
+from npu_graphs.tasks import (
+    PerMicroBatch,
+    TaskIssue,
+    TaskRegistry,
+    UpdatableTask,
+    call_task,
+    micro_batch_scope,
+)
 from npu_graphs.ubatch import MicroBatchContext, MicroBatchRunner
 from npu_graphs.wrapper import (
     GraphEntry,
@@ -55,6 +62,7 @@ __all__ = [
     "GraphWrapper",
     "MicroBatchContext",
     "MicroBatchRunner",
+    "PerMicroBatch",
     "RuntimeMode",
     "StepDispatch",
     "TaskIssue",
@@ -71,6 +79,7 @@ __all__ = [
     "get_backend",
     "graph_dispatch",
     "graphs_within_stream_budget",
+    "micro_batch_scope",
     "plan_capture",
     "register_backend",
     "shared_capture_stream",

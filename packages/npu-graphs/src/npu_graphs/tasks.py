@@ -18,6 +18,11 @@ new step:
   (tasks handed the same tensor share one buffer and one copy; a step that passes the
   buffer itself costs no copy).
 
+Micro-batches: a task recorded inside micro-batch ``i`` of an overlapped capture
+(:func:`micro_batch_scope`, entered by ``MicroBatchRunner``) takes entry ``i`` of a
+:class:`PerMicroBatch` step, so that each micro-batch's tasks get that micro-batch's
+own step (its plan, say) while the graph holds both; a plain step is shared by all.
+
 During a capture the tasks go to a :class:`TaskRecording`, which the capturing
 wrapper commits to each registry when the capture succeeds.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
@@ -36,6 +42,42 @@ from npu_graphs.errors import GraphCaptureError, TaskUpdateError
 from npu_graphs.session import CaptureSession, active_session
 
 Derive = Callable[[Any], Mapping[str, Any]]
+
+
+class PerMicroBatch(tuple):
+    """One step per micro-batch of an overlapped graph: the tasks recorded inside
+    micro-batch ``i`` take entry ``i`` (see :func:`micro_batch_scope`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"PerMicroBatch({list(self)!r})"
+
+
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def micro_batch_scope(index: int) -> Iterator[None]:
+    """Tasks recorded by this thread in the enclosed block belong to micro-batch
+    ``index``: each update hands them entry ``index`` of a :class:`PerMicroBatch` step.
+
+    Raises:
+        ValueError: ``index`` is not an int >= 0.
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"a micro-batch index is an int >= 0, got {index!r}")
+    previous = getattr(_SCOPE, "index", None)
+    _SCOPE.index = index
+    try:
+        yield
+    finally:
+        _SCOPE.index = previous
+
+
+def current_micro_batch() -> int | None:
+    """The micro-batch this thread records tasks for, or None outside micro-batches."""
+    return getattr(_SCOPE, "index", None)
 
 
 @dataclasses.dataclass
@@ -51,14 +93,30 @@ class UpdatableTask:
     buffers: dict[str, torch.Tensor]
     baked: dict[str, Any]  # host values as captured, where the backend cannot update them
     name: str | None = None  # the task takes step[name] of each update's step
+    micro_batch: int | None = None  # recorded in this micro-batch: takes its PerMicroBatch entry
 
     def step_kwargs(self, step: Any) -> Mapping[str, Any]:
         """The task's step keyword arguments for an update's ``step``: ``derive(step)``,
-        or ``derive(step[name])`` for a named task.
+        or ``derive(step[name])`` for a named task; a task of micro-batch ``i`` first
+        takes entry ``i`` of a :class:`PerMicroBatch` step.
 
         Raises:
-            TaskUpdateError: a named task's entry is missing from ``step``.
+            TaskUpdateError: a named task's entry is missing from ``step``, or a
+                :class:`PerMicroBatch` step has no entry for the task's micro-batch
+                (or the task was recorded outside micro-batches).
         """
+        if isinstance(step, PerMicroBatch):
+            if self.micro_batch is None or self.micro_batch >= len(step):
+                where = (
+                    "outside micro-batches"
+                    if self.micro_batch is None
+                    else f"in micro-batch {self.micro_batch}"
+                )
+                raise TaskUpdateError(
+                    f"task {self.name!r} was recorded {where}; the update brought steps "
+                    f"for {len(step)} micro-batches"
+                )
+            step = step[self.micro_batch]
         if self.name is not None:
             if not isinstance(step, Mapping) or self.name not in step:
                 got = sorted(step)[:4] if isinstance(step, Mapping) else type(step).__name__
@@ -412,7 +470,7 @@ class TaskRecording:
         whole = backend.records_tasks_whole and grouped
         task = UpdatableTask(
             fn, None if whole else args, None if whole else dict(kwargs), derive, handle,
-            tuple(host), buffers, baked, name,
+            tuple(host), buffers, baked, name, current_micro_batch(),
         )  # fmt: skip
         self._recorded.setdefault(id(registry), (registry, []))[1].append(task)
         return result

@@ -11,8 +11,13 @@ captured as one graph per (batch key, split) and replayed after. Without a split
 On the host backend the streams are stand-ins and the threads still take turns, so
 the recorded op order is the overlapped one; on CUDA (and NPU) the streams are real.
 
-Not used by the bridge yet; vLLM's micro-batch overlap (DBO, its ``UBatchWrapper``)
-is not wired to it. Tested on the host backend and on CUDA.
+Updatable tasks recorded inside micro-batch ``i`` belong to it
+(:func:`~npu_graphs.tasks.micro_batch_scope`): :meth:`MicroBatchRunner.update_tasks`
+hands each micro-batch's tasks that micro-batch's own step before a replay, so the
+halves may differ in size and content.
+
+The bridge runs vLLM's micro-batch overlap (DBO) on it (``npu_vllm_bridge.graphs.
+ubatch_wrapper``). Tested on the host backend and on CUDA.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 
 from npu_graphs.backends import GraphBackend, get_backend
 from npu_graphs.modes import RuntimeMode, current_dispatch, graph_dispatch
-from npu_graphs.tasks import TaskRegistry
+from npu_graphs.tasks import PerMicroBatch, TaskRegistry, micro_batch_scope
 from npu_graphs.wrapper import GraphWrapper
 
 
@@ -106,8 +111,6 @@ class _Turns:
 class MicroBatchRunner:
     """Run ``runnable(inputs, ctx)`` over micro-batches with overlap, as one graph per split.
 
-    Not used by the bridge yet (see the module docstring).
-
     Args:
         runnable: ``runnable(inputs, ctx: MicroBatchContext) -> Tensor | tuple[Tensor, ...]``;
             ``inputs`` is a tensor (or tuple of tensors) of the micro-batch's tokens
@@ -166,13 +169,40 @@ class MicroBatchRunner:
         state = current_dispatch()
         if state.mode is not self.mode:
             return self._run_overlapped(inputs, splits)
-        key: Hashable = (state.key, splits)
+        key = self.graph_key(state.key, splits)
         with graph_dispatch(self.mode, key):
             return self._graph(inputs, splits)
 
     def has_graph(self, key: Hashable, splits: Sequence[int]) -> bool:
         """True if the overlapped run of ``splits`` under batch ``key`` is captured."""
-        return self._graph.has_graph((key, tuple(splits)))
+        return self._graph.has_graph(self.graph_key(key, splits))
+
+    @staticmethod
+    def graph_key(key: Hashable, splits: Sequence[int]) -> Hashable:
+        """The key the overlapped graph of ``splits`` under batch ``key`` is kept under
+        (in the runner's graphs and its task registry)."""
+        return (key, tuple(splits))
+
+    def update_tasks(self, key: Hashable, splits: Sequence[int], steps: Sequence[Any]) -> None:
+        """Before replaying the graph of ``splits`` under ``key``: bring the tasks of
+        micro-batch ``i`` to ``steps[i]``.
+
+        Raises:
+            ValueError: not one step per micro-batch, no task registry, or no graph.
+            TaskUpdateError: a step does not fit what its micro-batch captured.
+        """
+        if len(steps) != len(splits):
+            raise ValueError(
+                f"{len(splits)} micro-batches {list(splits)} need one step each, got {len(steps)}"
+            )
+        tasks = self._graph.tasks
+        if tasks is None:
+            raise ValueError("this MicroBatchRunner has no task registry (tasks=) to update")
+        tasks.update(self.graph_key(key, splits), PerMicroBatch(steps))
+
+    def reset(self) -> None:
+        """Drop every captured overlapped graph and its tasks."""
+        self._graph.reset()
 
     def _stream_pair(self, index: int) -> tuple[Any, Any]:
         while len(self._streams) <= index:
@@ -232,7 +262,7 @@ class MicroBatchRunner:
                 turns.wait(ctx.index)
                 had_turn = True
                 try:
-                    with self.backend.use_stream(ctx.compute_stream):
+                    with self.backend.use_stream(ctx.compute_stream), micro_batch_scope(ctx.index):
                         results[ctx.index] = self.runnable(part, ctx)
                 finally:
                     turns.finish(ctx.index)
