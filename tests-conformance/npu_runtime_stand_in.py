@@ -24,6 +24,18 @@ tensors:
   update stream releases it. Replaying a graph with an updated task group whose
   event was never recorded after the update fails: the replay could run before
   the update.
+- A replay runs its ops in order up to the first task group whose events are not
+  recorded and is *held* there (the captured wait), as torch_npu documents the wait
+  ("blocks the stream until the event completes"); each ``record`` resumes it, and
+  the group runs with the host arguments it has by then. So a replay may be launched
+  before its update (the update then fills each group before releasing it). A later
+  replay on the same stream queues behind a held one. What the stand-in refuses:
+  a task update of a group its held replay already ran (the event was recorded
+  before the update), a ``record`` on a stream that waits (``Event`` + ``wait_event``,
+  or ``wait_stream``) for the very replay that record would release (a deadlock), a
+  synchronize while a replay is held (it would never return), and a torch_npu op
+  issued on a stream behind a held replay (not modeled). :meth:`NpuRuntime.held_replays`
+  lists the replays still held.
 
 Anything else torch.npu exports raises ``NotModeled``. Nothing in the packages
 imports this module.
@@ -77,6 +89,17 @@ class _Update:
     issued: list[_Op] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class Replay:
+    """One launched replay: the next op it runs, and whether it has finished."""
+
+    graph: StandInGraph
+    stream: StandInStream
+    next_op: int = 0
+    done: bool = False
+    group_starts: dict[int, TaskGroup] = field(default_factory=dict)
+
+
 class NpuRuntime(Launcher):
     """Device state shared by ``torch.npu`` and the torch_npu ops of one stand-in."""
 
@@ -88,7 +111,27 @@ class NpuRuntime(Launcher):
         self.side_stream: StandInStream | None = None
         self.capture: _Capture | None = None
         self.update: _Update | None = None
+        self.queued: dict[StandInStream, list[Replay]] = {}  # launched, not finished
         self._streams = 0
+
+    def held_replays(self) -> list[Replay]:
+        """Replays launched and not finished (held at a task group, or queued behind one)."""
+        return [replay for replays in self.queued.values() for replay in replays]
+
+    def check_not_held(self, what: str) -> None:
+        held = self.held_replays()
+        if held:
+            replay = held[0]
+            raise SchemaViolation(
+                f"{what} with a replay held on stream {replay.stream.name}: it waits at op "
+                f"{replay.next_op} for a task group's ExternalEvent that is never recorded "
+                "(no update or release after the replay), so this would never return"
+            )
+
+    def last_replay_on(self, stream: StandInStream) -> Replay | None:
+        """The last unfinished replay launched on ``stream``, if any."""
+        replays = self.queued.get(stream)
+        return replays[-1] if replays else None
 
     def new_stream(self) -> StandInStream:
         self._streams += 1
@@ -111,6 +154,11 @@ class NpuRuntime(Launcher):
         if name.endswith("_get_max_workspace") or "_get_workspace" in name:
             return implementation(arguments)  # host-side sizing, not a device task
         op = _Op(name, implementation, arguments)
+        if self.update is None and self.capture is None and self.queued.get(self.current_stream):
+            raise NotModeled(
+                f"torch_npu.{name} issued on stream {self.current_stream.name} behind a replay "
+                "held by an ExternalEvent wait"
+            )
         if self.update is not None:
             _expect(
                 self.current_stream is self.update.stream,
@@ -208,6 +256,13 @@ class NpuRuntime(Launcher):
             self.capture is None or self.capture.stream is not stream,
             "graph_task_update_begin on a stream that is capturing",
         )
+        for replay in self.held_replays():
+            if replay.graph is handle.graph and replay.next_op > handle.op_indices[0]:
+                raise SchemaViolation(
+                    "task update of a task group its launched replay already ran: the "
+                    "group's ExternalEvent was recorded before this update (record it after "
+                    "graph_task_update_end)"
+                )
         self.update = _Update(handle, stream)
 
     def update_end(self, stream: StandInStream) -> None:
@@ -233,6 +288,14 @@ class NpuRuntime(Launcher):
     def record_external(self, event: StandInExternalEvent, stream: StandInStream) -> None:
         if self.capture is not None and stream is self.capture.stream:
             raise NotModeled("ExternalEvent.record inside a capture")
+        waited = stream.waits_for
+        if waited is not None and not waited.done:
+            _expect(
+                not any(group.graph is waited.graph for group in event.groups),
+                f"deadlock: stream {stream.name} waits for a replay that is held until this "
+                f"ExternalEvent is recorded on {stream.name} (order the update stream after "
+                "the replay before the one it updates, not after the launched one)",
+            )
         for group in event.groups:
             if group.updated_on is not None and not group.released:
                 _expect(
@@ -241,6 +304,9 @@ class NpuRuntime(Launcher):
                     f"but its task group was updated on {group.updated_on.name}",
                 )
                 group.released = True
+        event.recorded = True
+        for replays in list(self.queued.values()):
+            self._resume(replays)
 
     def replay(self, graph: StandInGraph) -> None:
         _expect(graph.captured, "replay of a graph that was not captured")
@@ -258,11 +324,31 @@ class NpuRuntime(Launcher):
                 "a task group was updated but its ExternalEvent was not "
                 "recorded on the update stream after graph_task_update_end",
             )
-        for op in graph.ops:
-            op.implementation(op.arguments)
-        for group in graph.groups:
-            group.updated_on, group.released = None, False
-        graph.replays += 1
+        starts = {group.op_indices[0]: group for group in graph.groups if group.events}
+        replays = self.queued.setdefault(self.current_stream, [])
+        replays.append(Replay(graph, self.current_stream, group_starts=starts))
+        self._resume(replays)
+
+    def _resume(self, replays: list[Replay]) -> None:
+        """Run the replays queued on one stream, in order, as far as their events allow."""
+        while replays:
+            replay = replays[0]
+            ops = replay.graph.ops
+            while replay.next_op < len(ops):
+                group = replay.group_starts.get(replay.next_op)
+                if group is not None:
+                    if not all(event.recorded for event in group.events):
+                        return  # held by the captured wait
+                    for event in group.events:
+                        event.recorded = False  # the captured reset
+                op = ops[replay.next_op]
+                op.implementation(op.arguments)
+                replay.next_op += 1
+            for group in replay.graph.groups:
+                group.updated_on, group.released = None, False
+            replay.graph.replays += 1
+            replay.done = True
+            replays.pop(0)
 
 
 def _deferred_result(op: _Op) -> Any:
@@ -280,6 +366,7 @@ class StandInStream:
     """``torch.npu.Stream``."""
 
     _runtime: NpuRuntime  # set on the runtime's bound subclass
+    waits_for: Replay | None = None  # a replay this stream's later work waits for
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("Stream", "__call__", args, kwargs)
@@ -296,11 +383,17 @@ class StandInStream:
     def _check(self, method: str, args: tuple, kwargs: dict) -> dict[str, Any]:
         return self._runtime.check_method("Stream", method, args, kwargs)
 
+    def _wait_for(self, replay: Replay | None) -> None:
+        if replay is not None and not replay.done:
+            self.waits_for = replay
+
     def wait_event(self, *args: Any, **kwargs: Any) -> None:
-        self._check("wait_event", args, kwargs)
+        event = self._check("wait_event", args, kwargs)["event"]
+        self._wait_for(getattr(event, "after", None))
 
     def wait_stream(self, *args: Any, **kwargs: Any) -> None:
-        self._check("wait_stream", args, kwargs)
+        other = self._check("wait_stream", args, kwargs)["stream"]
+        self._wait_for(self._runtime.last_replay_on(other))
 
     def record_event(self, *args: Any, **kwargs: Any) -> StandInEvent:
         event = self._check("record_event", args, kwargs)["event"]
@@ -313,6 +406,7 @@ class StandInStream:
     def synchronize(self, *args: Any, **kwargs: Any) -> None:
         self._check("synchronize", args, kwargs)
         _expect(self._runtime.capture is None, "Stream.synchronize during a capture")
+        self._runtime.check_not_held("Stream.synchronize")
 
     def __repr__(self) -> str:
         return f"<stand-in torch.npu.Stream {self.name}>"
@@ -325,9 +419,14 @@ class StandInEvent:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("Event", "__call__", args, kwargs)
+        self.after: Replay | None = None  # the last replay unfinished when recorded
 
     def record(self, *args: Any, **kwargs: Any) -> None:
-        self._runtime.check_method("Event", "record", args, kwargs)
+        runtime = self._runtime
+        stream = runtime.check_method("Event", "record", args, kwargs)["stream"]
+        self.after = runtime.last_replay_on(
+            stream if stream is not None else runtime.current_stream
+        )
 
     def wait(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("Event", "wait", args, kwargs)
@@ -339,6 +438,8 @@ class StandInEvent:
     def synchronize(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("Event", "synchronize", args, kwargs)
         _expect(self._runtime.capture is None, "Event.synchronize during a capture")
+        if self.after is not None and not self.after.done:
+            self._runtime.check_not_held("Event.synchronize")
 
 
 class StandInExternalEvent:
@@ -348,6 +449,7 @@ class StandInExternalEvent:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.groups: list[TaskGroup] = []
+        self.recorded = False  # recorded since the last captured reset consumed it
         self._runtime.check_method("ExternalEvent", "__call__", args, kwargs)
 
     def _stream(self, method: str, args: tuple, kwargs: dict) -> StandInStream:
@@ -455,6 +557,7 @@ class StandInNpuNamespace(types.ModuleType):
     def synchronize(self, *args: Any, **kwargs: Any) -> None:
         self.runtime.check_function("synchronize", args, kwargs)
         _expect(self.runtime.capture is None, "torch.npu.synchronize during a capture")
+        self.runtime.check_not_held("torch.npu.synchronize")
 
     def graph_pool_handle(self, *args: Any, **kwargs: Any) -> object:
         self.runtime.check_function("graph_pool_handle", args, kwargs)

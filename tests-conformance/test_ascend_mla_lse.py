@@ -283,8 +283,10 @@ def test_task_update_reissues_the_atb_call_with_new_lengths(stand_in, host_ascen
             result[keyed].double(), ref_out[keyed].double(), **TOLERANCE[torch.bfloat16]
         )
 
+    event.record(npu.Stream())  # no update: the captured lengths are released
     graph.replay()
     check(step1.seq_lens_host)
+    event.record(npu.Stream())
     graph.replay()  # no update: the captured lengths are stale for the next step
     with pytest.raises(AssertionError):
         check(lengths.tolist())

@@ -65,6 +65,13 @@ class DecodeModel:
         with graph_dispatch(RuntimeMode.FULL, key=KEY):
             return self.wrapper(self.steps.query)
 
+    def step_replay_first(self, number: int):
+        """Step ``number`` through ``replay_with_update``: the npu backend launches the
+        replay, then updates its task."""
+        self.plan = self.steps.plan(number)
+        plan = self.plan
+        return self.wrapper.replay_with_update(KEY, lambda: self.tasks.update(KEY, plan))
+
 
 def _run_two_steps(backend: NpuGraphBackend) -> tuple[Steps, DecodeModel]:
     steps = Steps()
@@ -109,26 +116,63 @@ def test_replay_without_update_is_stale(stand_in) -> None:
     assert max_error(out, steps.expected(2)) > 10 * TOLERANCE
 
 
+def test_replay_launched_before_its_update_replays_the_update(stand_in) -> None:
+    steps = Steps()
+    model = DecodeModel(steps, NpuGraphBackend())
+    model.step(1)  # capture (and its first replay, released)
+    steps.query.copy_(steps.write_step(2, generator_seed=1))
+    first = len(stand_in.log.calls)
+    out = model.step_replay_first(2)
+    assert max_error(out, steps.expected(2)) < TOLERANCE
+    calls = [call.name for call in stand_in.log.calls[first:]]
+    replay = calls.index("torch.npu.NPUGraph.replay")
+    update_begin = calls.index("torch.npu.graph_task_update_begin")
+    update_end = calls.index("torch.npu.graph_task_update_end")
+    record = calls.index("torch.npu.ExternalEvent.record")
+    assert replay < update_begin < update_end < record
+    assert "torch.npu.synchronize" not in calls
+    assert not stand_in.npu.runtime.held_replays()
+
+
+class WaitsForTheLaunchedReplay(NpuGraphBackend):
+    """Orders the update after the replay it updates (which waits for the update)."""
+
+    def update_tasks_after_replay(self, graph, updates) -> None:
+        self._issue_updates(self._update_stream_after(self._replays), updates)
+
+
+def test_update_waiting_for_the_launched_replay_is_caught(stand_in) -> None:
+    steps = Steps()
+    model = DecodeModel(steps, WaitsForTheLaunchedReplay())
+    model.step(1)
+    steps.query.copy_(steps.write_step(2, generator_seed=1))
+    with pytest.raises(SchemaViolation, match="deadlock"):
+        model.step_replay_first(2)
+
+
 class UpdateOnCaptureStream(NpuGraphBackend):
     """Issues task updates on the capture stream."""
 
     capture_stream = None
 
-    def _ordered_update_stream(self):
+    def _update_stream_after(self, replay):
         return self.capture_stream
 
 
 class UpdateWithoutEvent(NpuGraphBackend):
-    """Updates tasks but never records their ExternalEvent."""
+    """Updates tasks but never records their ExternalEvent after the update (a replay
+    without update is released)."""
 
     def update_tasks(self, graph, updates) -> None:
-        stream = self._ordered_update_stream()
+        stream = self._update_stream_after(self._replays)
         with self.use_stream(stream):
             for handle, issue in updates:
-                if issue is not None:
-                    self._torch_npu().graph_task_update_begin(stream, handle.group)
-                    issue()
-                    self._torch_npu().graph_task_update_end(stream)
+                if issue is None:
+                    handle.event.record(stream)
+                    continue
+                self._torch_npu().graph_task_update_begin(stream, handle.group)
+                issue()
+                self._torch_npu().graph_task_update_end(stream)
 
     @staticmethod
     def _torch_npu():
@@ -148,7 +192,7 @@ class UpdateOffTheUpdateStream(NpuGraphBackend):
     def update_tasks(self, graph, updates) -> None:
         import torch
 
-        stream = self._ordered_update_stream()
+        stream = self._update_stream_after(self._replays)
         for handle, issue in updates:
             if issue is not None:
                 torch.npu.graph_task_update_begin(stream, handle.group)

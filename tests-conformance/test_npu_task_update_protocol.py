@@ -4,8 +4,10 @@ The flow of torch_npu's own example (``graph_task_update_begin`` documentation):
 capture the attention op inside a task group after ``ExternalEvent.wait + reset``;
 per step re-issue it with new host arguments between ``graph_task_update_begin``
 and ``graph_task_update_end`` on an update stream, ``record`` the event there,
-replay. Here the op is the ascend provider's paged attention, so a stale length
-shows up as a wrong output; each broken rule of the protocol must be caught.
+replay. The captured wait holds the replay at the group until the event is
+recorded, so the replay may also be launched first and updated after. Here the op
+is the ascend provider's paged attention, so a stale length shows up as a wrong
+output; each broken rule of the protocol must be caught.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ def test_documented_flow_replays_with_updated_lengths(stand_in) -> None:
     graph, handle, event = _capture(npu, steps)
     assert torch.equal(steps.out, torch.zeros_like(steps.out)), "capture ran the op"
 
+    event.record(npu.Stream())  # no update: release the captured lengths
     graph.replay()
     assert max_error(steps.out, steps.expected(1)) < TOLERANCE
 
     steps.query.copy_(steps.write_step(2, generator_seed=1))
+    event.record(npu.Stream())
     graph.replay()  # no update: the captured lengths are stale now
     assert max_error(steps.out, steps.expected(2)) > 10 * TOLERANCE
 
@@ -55,6 +59,64 @@ def test_documented_flow_replays_with_updated_lengths(stand_in) -> None:
     graph.replay()
     assert max_error(steps.out, steps.expected(2)) < TOLERANCE
     assert "torch.npu.synchronize" not in stand_in.log.names()
+
+
+def test_replay_is_held_at_the_group_until_its_update_releases_it(stand_in) -> None:
+    npu, steps = stand_in.npu, Steps()
+    graph, handle, event = _capture(npu, steps)
+    steps.query.copy_(steps.write_step(2, generator_seed=1))
+    graph.replay()  # launched first: waits at the task group
+    assert torch.equal(steps.out, torch.zeros_like(steps.out))
+    assert len(stand_in.npu.runtime.held_replays()) == 1
+    _update(npu, steps, handle, event, step=2, update_stream=npu.Stream())
+    assert not stand_in.npu.runtime.held_replays()
+    assert max_error(steps.out, steps.expected(2)) < TOLERANCE
+
+
+def test_synchronize_with_a_held_replay_is_caught(stand_in) -> None:
+    npu, steps = stand_in.npu, Steps()
+    graph, _handle, _event = _capture(npu, steps)
+    graph.replay()
+    with pytest.raises(SchemaViolation, match="would never return"):
+        npu.synchronize()
+
+
+def test_event_recorded_before_the_update_is_caught(stand_in) -> None:
+    npu, steps = stand_in.npu, Steps()
+    graph, handle, event = _capture(npu, steps)
+    steps.query.copy_(steps.write_step(2, generator_seed=1))
+    graph.replay()
+    event.record(npu.Stream())  # releases the replay with the captured lengths
+    _update(npu, steps, handle, None, step=2, update_stream=npu.Stream())
+    assert max_error(steps.out, steps.expected(2)) > 10 * TOLERANCE
+
+
+def test_update_of_a_group_its_held_replay_already_ran_is_caught(stand_in) -> None:
+    npu, steps = stand_in.npu, Steps()
+    graph, stream = npu.NPUGraph(), npu.Stream()
+    events, handles = [npu.ExternalEvent(), npu.ExternalEvent()], []
+    with npu.graph(graph, stream=stream):
+        for event in events:  # two task groups (two layers, say)
+            event.wait(stream)
+            event.reset(stream)
+            npu.graph_task_group_begin(stream)
+            steps.attend(steps.plan(1))
+            handles.append(npu.graph_task_group_end(stream))
+    graph.replay()
+    events[0].record(npu.Stream())  # the first group runs, the replay waits at the second
+    with pytest.raises(SchemaViolation, match="already ran"):
+        _update(npu, steps, handles[0], events[0], step=2, update_stream=npu.Stream())
+
+
+def test_update_stream_waiting_for_the_replay_it_releases_is_caught(stand_in) -> None:
+    npu, steps = stand_in.npu, Steps()
+    graph, handle, event = _capture(npu, steps)
+    graph.replay()
+    replay_done, update_stream = npu.Event(), npu.Stream()
+    replay_done.record(npu.current_stream())
+    update_stream.wait_event(replay_done)
+    with pytest.raises(SchemaViolation, match="deadlock"):
+        _update(npu, steps, handle, event, step=2, update_stream=update_stream)
 
 
 def test_update_on_the_capture_stream_is_caught(stand_in) -> None:

@@ -158,6 +158,9 @@ class TaskIssue:
 class GraphTasks:
     """The tasks of one captured graph; ``armed`` once updated or released for a replay.
 
+    While ``replay_issued`` (see :meth:`TaskRegistry.after_replay`), the replay they are
+    updated for is already launched and waits for them on the device.
+
     Args:
         backend: the graph's backend (it re-issues or releases the tasks).
         graph: the captured graph.
@@ -170,17 +173,31 @@ class GraphTasks:
     tasks: list[UpdatableTask]
     label: str
     armed: bool = False
+    replay_issued: bool = False
 
     def update(self, step: Any) -> None:
         """Bring every task to ``step``: re-issue its host values, copy its buffers.
 
         Raises:
-            TaskUpdateError: a step value does not fit what was captured.
+            TaskUpdateError: a step value does not fit what was captured; or, for a
+                replay already launched, a second update or a task with fixed device
+                buffers (their copies must precede the replay on its stream).
         """
+        if self.replay_issued and self.armed:
+            raise TaskUpdateError(
+                f"{self.label}: a second update for the replay already launched (the first "
+                "one released its tasks)"
+            )
         copied: set[int] = set()
         updates: list[TaskUpdate] = []
         for index, task in enumerate(self.tasks):
             kwargs = task.step_kwargs(step)
+            if self.replay_issued and task.buffers:
+                raise TaskUpdateError(
+                    f"{self.label}: task {index} takes fixed device buffers "
+                    f"{sorted(task.buffers)}, which must be filled before its replay is "
+                    "launched; update it before the replay"
+                )
             self._copy_buffers(index, task, kwargs, copied)
             host = {name: kwargs[name] for name in task.host_names}
             if task.handle is not None:
@@ -188,17 +205,24 @@ class GraphTasks:
             else:
                 self._check_baked(index, task, host)
         if updates:
-            self.backend.update_tasks(self.graph, updates)
+            self._issue(updates)
         self.armed = True
 
     def release(self) -> None:
-        """Let the next replay run the tasks' current values (if no update armed them)."""
+        """Let the next replay (or the one launched) run the tasks' current values, if
+        no update armed them."""
         if self.armed:
             return
         handles = [(t.handle, None) for t in self.tasks if t.handle is not None]
         if handles:
-            self.backend.update_tasks(self.graph, handles)
+            self._issue(handles)
         self.armed = True
+
+    def _issue(self, updates: list[TaskUpdate]) -> None:
+        if self.replay_issued:
+            self.backend.update_tasks_after_replay(self.graph, updates)
+        else:
+            self.backend.update_tasks(self.graph, updates)
 
     def _copy_buffers(
         self, index: int, task: UpdatableTask, kwargs: Mapping[str, Any], copied: set[int]
@@ -351,7 +375,8 @@ class TaskRegistry:
 
     # -- per step -------------------------------------------------------------------
     def update(self, key: Hashable, step: Any) -> None:
-        """Bring every task captured under ``key`` to ``step``; call once per step before replay.
+        """Bring every task captured under ``key`` to ``step``; call once per step before
+        replay (or right after it, inside :meth:`after_replay`).
 
         Every task is re-issued with the host values of ``step`` and its device tensors
         are copied into the task's fixed buffers.
@@ -374,6 +399,32 @@ class TaskRegistry:
             )
         for graph_tasks in graphs:
             graph_tasks.update(step)
+
+    @contextlib.contextmanager
+    def after_replay(self, key: Hashable, graph: Any) -> Iterator[None]:
+        """The replay of ``graph`` (captured under ``key``) is launched and its tasks wait
+        on the device for their update (``updates_follow_replay`` backends): an
+        ``update(key, step)`` in the enclosed block goes after the replay
+        (``update_tasks_after_replay``). Tasks the block leaves alone, even when it
+        raises, are released at its end, so that the replay never waits forever.
+        """
+        graphs = [g for g in self._graphs.get(key, ()) if g.graph is graph]
+        for graph_tasks in graphs:
+            graph_tasks.replay_issued = True
+        try:
+            yield
+        finally:
+            try:
+                for graph_tasks in graphs:
+                    graph_tasks.release()
+            finally:
+                for graph_tasks in graphs:
+                    graph_tasks.replay_issued = False
+
+    def has_fixed_buffers(self, key: Hashable) -> bool:
+        """Whether a task of ``key`` takes fixed device buffers (each update fills them
+        on the current stream, so it must precede the replay)."""
+        return any(task.buffers for task in self.tasks(key))
 
     # -- replay hooks (called by the wrapper around each replay) -------------------------
     def prepare_replay(self, key: Hashable, graph: Any) -> None:

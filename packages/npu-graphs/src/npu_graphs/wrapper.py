@@ -79,7 +79,8 @@ class GraphWrapper:
     addresses (static buffers sliced to the key's size); ``debug_check_addresses``
     checks that on each replay. Step state that changes per step reaches captured ops
     through updatable tasks (``tasks`` / :func:`~npu_graphs.call_task`), brought up to
-    date by ``TaskRegistry.update(key, step)`` before the call.
+    date by ``TaskRegistry.update(key, step)`` before the call, or by
+    :meth:`replay_with_update` in the order the backend allows.
 
     Outputs: on backends with ``weak_ref_outputs`` (CUDA), outputs are non-owning views
     of the shared graph pool, valid until the next replay or capture of any graph in
@@ -194,17 +195,59 @@ class GraphWrapper:
         Raises:
             KeyError: no graph for ``key``.
         """
+        entry = self._entry_of(key)
+        for registry in entry.registries:
+            registry.prepare_replay(key, entry.graph)
+        outputs = self._launch(entry, args, kwargs)
+        for registry in entry.registries:
+            registry.finish_replay(key, entry.graph)
+        return outputs
+
+    def replay_with_update(
+        self, key: Hashable, update: Callable[[], object], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Replay the graph of ``key`` with ``update()`` bringing its tasks in this
+        wrapper's registry (``tasks``) to the step, in the order the backend allows;
+        returns the graph's outputs. ``update`` calls ``tasks.update(key, step)``.
+
+        * ``backend.updates_follow_replay`` (NPU), and no task of ``key`` takes fixed
+          device buffers: the replay is launched first, then ``update()`` runs while the
+          replay's tasks wait on the device for it; tasks it leaves alone are released
+          after it (as :meth:`replay` releases them).
+        * otherwise (host, CUDA): ``update()``, then :meth:`replay`.
+
+        Raises:
+            KeyError: no graph for ``key``.
+        """
+        entry = self._entry_of(key)
+        tasks = self.tasks
+        if tasks is None or not self.backend.updates_follow_replay or tasks.has_fixed_buffers(key):
+            update()
+            return self.replay(key, *args, **kwargs)
+        for registry in entry.registries:
+            if registry is not tasks:
+                registry.prepare_replay(key, entry.graph)
+        outputs = self._launch(entry, args, kwargs)
+        try:
+            with tasks.after_replay(key, entry.graph):
+                update()
+        finally:
+            for registry in entry.registries:
+                registry.finish_replay(key, entry.graph)
+        return outputs
+
+    def _entry_of(self, key: Hashable) -> GraphEntry:
         entry = self._entries.get(key)
         if entry is None:
             raise KeyError(f"{self.name}: no graph captured for key {key!r}")
-        for registry in entry.registries:
-            registry.prepare_replay(key, entry.graph)
+        return entry
+
+    def _launch(self, entry: GraphEntry, args: tuple, kwargs: dict) -> Any:
+        """The backend's replay of ``entry``; its outputs."""
         if self.backend.replay_takes_inputs:
             outputs = self.backend.replay(entry.graph, _tensors(args, kwargs))
         else:
             outputs = self.backend.replay(entry.graph)
-        for registry in entry.registries:
-            registry.finish_replay(key, entry.graph)
         entry.replays += 1
         return outputs if self.backend.replay_returns_outputs else entry.outputs
 

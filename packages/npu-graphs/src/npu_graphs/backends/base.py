@@ -43,6 +43,14 @@ class GraphBackend(abc.ABC):
     # Whether ``replay`` reads the tensors it is given as the graph's inputs (host)
     # instead of the addresses captured (devices: callers pass static buffers).
     replay_takes_inputs: ClassVar[bool] = False
+    # Whether a replay may be launched before the update of its tasks
+    # (``update_tasks_after_replay``): each captured task group waits on the device until
+    # its update releases it (NPU: an ExternalEvent wait captured before the group), so
+    # the host launches the replay first and the update overlaps the graph's work up to
+    # the first task. Backends whose replay runs its tasks with the arguments they hold
+    # at launch (host) or that have no task update (CUDA) update before the replay.
+    # ``GraphWrapper.replay_with_update`` takes the order this names.
+    updates_follow_replay: ClassVar[bool] = False
 
     # -- graphs ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -145,6 +153,15 @@ class GraphBackend(abc.ABC):
         waits; never a device-wide synchronize.
         """
         raise NotImplementedError(f"the {self.name} backend has no task update")
+
+    def update_tasks_after_replay(self, graph: Any, updates: Sequence[TaskUpdate]) -> None:
+        """Re-issue (or release) task groups of ``graph`` for the replay of it just
+        launched, whose task groups wait for it (``updates_follow_replay`` backends only).
+
+        Ordered after the replay before that one (its tasks may still run), never after
+        the launched one (it waits for this update); never a device-wide synchronize.
+        """
+        raise NotImplementedError(f"the {self.name} backend updates tasks before their replay")
 
     # -- memory and tensors ----------------------------------------------------------
     @abc.abstractmethod

@@ -13,6 +13,11 @@ Task protocol (explicit task groups, the default):
   (an event, not a device-wide synchronize), ``graph_task_update_begin(stream,
   handle)``, the same op with new host arguments, ``graph_task_update_end(stream)``,
   then ``event.record(update_stream)``; the captured ``wait`` orders the replay after it;
+* the update may also follow the launch of the replay it is for
+  (``updates_follow_replay``): the replay runs up to its first task group and waits
+  there for the group's event, so the update overlaps the graph's work. The update
+  stream then waits for the replay before that one (waiting for the launched one would
+  deadlock: it waits for the update);
 * a replay not preceded by an update only releases the tasks: their events are recorded.
 
 torch_npu's other update path (``torch.npu.graph(auto_dispatch_capture=True)`` with
@@ -56,6 +61,7 @@ class NpuGraphBackend(GraphBackend):
     weak_ref_outputs = False  # outputs stay owned: torch_npu has no public weak-ref view
     capture_executes = False
     warmup_runs = 1
+    updates_follow_replay = True
 
     def __init__(
         self,
@@ -73,8 +79,9 @@ class NpuGraphBackend(GraphBackend):
         self.capture_error_mode = capture_error_mode
         self.stream_budget = stream_budget
         self._update_stream: Any = None
-        self._replay_done: Any = None
-        self._replayed = False
+        # Two events, recorded after replays in turn: the last replay's and the one before.
+        self._replay_done: tuple[Any, Any] | None = None
+        self._replays = 0
         self._capturing: Any = None
 
     # -- graphs -----------------------------------------------------------------------
@@ -99,9 +106,9 @@ class NpuGraphBackend(GraphBackend):
         stream = torch.npu.current_stream()
         graph.replay()
         if self._replay_done is None:
-            self._replay_done = torch.npu.Event()
-        self._replay_done.record(stream)
-        self._replayed = True
+            self._replay_done = (torch.npu.Event(), torch.npu.Event())
+        self._replays += 1
+        self._replay_done[self._replays % 2].record(stream)
 
     def is_capturing(self) -> bool:
         return self._capturing is not None or torch.npu.is_current_stream_capturing()
@@ -142,7 +149,13 @@ class NpuGraphBackend(GraphBackend):
         return NpuTaskHandle(torch.npu.graph_task_group_end(stream), token)
 
     def update_tasks(self, graph: Any, updates: Sequence[TaskUpdate]) -> None:
-        stream = self._ordered_update_stream()
+        self._issue_updates(self._update_stream_after(self._replays), updates)
+
+    def update_tasks_after_replay(self, graph: Any, updates: Sequence[TaskUpdate]) -> None:
+        self._issue_updates(self._update_stream_after(self._replays - 1), updates)
+
+    def _issue_updates(self, stream: Any, updates: Sequence[TaskUpdate]) -> None:
+        """Each group's update on ``stream``, its event recorded right after it."""
         with torch.npu.stream(stream):
             for handle, issue in updates:
                 if issue is not None:
@@ -151,12 +164,13 @@ class NpuGraphBackend(GraphBackend):
                     torch.npu.graph_task_update_end(stream)
                 handle.event.record(stream)
 
-    def _ordered_update_stream(self) -> Any:
-        """The update stream, made to wait for the last replay (its tasks may still run)."""
+    def _update_stream_after(self, replay: int) -> Any:
+        """The update stream, made to wait for the ``replay``-th replay (from 1; 0: none)
+        to finish: its tasks may still run."""
         if self._update_stream is None:
             self._update_stream = torch.npu.Stream()
-        if self._replayed:
-            self._update_stream.wait_event(self._replay_done)
+        if replay > 0:
+            self._update_stream.wait_event(self._replay_done[replay % 2])
         return self._update_stream
 
     # -- memory -----------------------------------------------------------------------
