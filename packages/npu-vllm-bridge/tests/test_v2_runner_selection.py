@@ -1,15 +1,48 @@
 """Which model runner the bridge's workers build for the runner vLLM selected (host mode's
-V1 and V2 runners are exercised in vLLM by tests-integration/)."""
+V1 and V2 runners are exercised in vLLM by tests-integration/; the NPU V2 runner's
+graph calls by tests-conformance/test_npu_v2_graphs.py)."""
 
 from __future__ import annotations
 
 import pytest
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner as GPUModelRunnerV1
 
-from npu_vllm_bridge.worker.npu import NPUWorker
+from npu_vllm_bridge.graphs.v2_runner import GraphManagerHook
+from npu_vllm_bridge.worker.npu import NPUModelRunner, NPUWorker
+from npu_vllm_bridge.worker.npu_v2 import NPUModelRunnerV2
 
 
-def test_the_npu_worker_refuses_model_runner_v2() -> None:
+def _npu_worker(use_v2_model_runner: bool) -> NPUWorker:
     worker = NPUWorker.__new__(NPUWorker)  # no NPU here: only the runner choice
-    worker.use_v2_model_runner = True
-    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-        worker._make_model_runner()
+    worker.use_v2_model_runner = use_v2_model_runner
+    return worker
+
+
+def test_the_npu_worker_builds_the_v2_runner_under_model_runner_v2() -> None:
+    runner_class = _npu_worker(True).model_runner_class()
+    assert runner_class is NPUModelRunnerV2
+    assert issubclass(runner_class, GPUModelRunnerV2)
+    assert not issubclass(runner_class, GPUModelRunnerV1)
+    # The bridge's hook comes before vLLM's runner: its load_model and
+    # initialize_kv_cache run around vLLM's.
+    mro = runner_class.__mro__
+    assert mro.index(GraphManagerHook) < mro.index(GPUModelRunnerV2)
+
+
+def test_the_npu_worker_builds_the_v1_runner_otherwise() -> None:
+    runner_class = _npu_worker(False).model_runner_class()
+    assert runner_class is NPUModelRunner
+    assert issubclass(runner_class, GPUModelRunnerV1)
+
+
+@pytest.mark.parametrize("use_v2", [False, True])
+def test_the_npu_runners_refuse_kv_caches_vllm_zeroes_by_block(use_v2: bool) -> None:
+    runner_class = _npu_worker(use_v2).model_runner_class()
+    runner = runner_class.__new__(runner_class)
+
+    class ZeroedCache:
+        needs_kv_cache_zeroing = True
+
+    with pytest.raises(ValueError, match="zeroes by block"):
+        runner.initialize_kv_cache(ZeroedCache())

@@ -15,7 +15,11 @@ backend reads and writes inside the pages, so it decides what a page holds:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from npu_vllm_bridge.settings import PREFIX
 
 SPLITS = ("packed", "planes")
 
@@ -76,3 +80,14 @@ def _is_dense(tensor: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def refuse_kv_cache_zeroing(kv_cache_config: Any) -> None:
+    """Raise ``ValueError`` for a KV cache (vLLM's ``KVCacheConfig``) that vLLM would zero
+    by block: it zeroes blocks by id in its packed page layout, and ``planes`` pages hold
+    K and V planes instead (the NPU runners call this)."""
+    if kv_cache_config.needs_kv_cache_zeroing:
+        raise ValueError(
+            f"{PREFIX} does not support models whose KV cache vLLM zeroes by "
+            "block (Mamba layers or mixed-precision KV caches) on the NPU"
+        )

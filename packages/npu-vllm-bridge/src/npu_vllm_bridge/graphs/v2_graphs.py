@@ -94,8 +94,11 @@ class NpuGraphsCapture(CudaGraphManager):
         graph_counters().captured += 1
 
     def run_fullgraph(self, desc: BatchExecutionDescriptor) -> None:
-        """Update the attention tasks of ``desc``'s graph to the step's metadata, then
-        replay it.
+        """Replay ``desc``'s graph with its attention tasks brought to the step's
+        metadata, in the order the graph backend takes (``updates_follow_replay``): on
+        the NPU the replay is launched first and the update follows on the backend's
+        update stream, each task released by its event; on the host the update comes
+        first.
 
         Raises:
             ValueError: no step metadata was left since the last replay.
@@ -108,10 +111,11 @@ class NpuGraphsCapture(CudaGraphManager):
             )
         counters = graph_counters()
         counters.replayed_steps += 1
-        if self.tasks.num_tasks(desc):
-            self._update_tasks(desc, attn_metadata)
-            counters.task_updates += 1
-        self.wrapper.replay(desc)
+        if not self.tasks.num_tasks(desc):
+            self.wrapper.replay(desc)
+            return
+        counters.task_updates += 1
+        self.wrapper.replay_with_update(desc, lambda: self._update_tasks(desc, attn_metadata))
 
     def _update_tasks(self, desc: BatchExecutionDescriptor, attn_metadata: Any) -> None:
         self.tasks.update(desc, per_layer_metadata(attn_metadata))

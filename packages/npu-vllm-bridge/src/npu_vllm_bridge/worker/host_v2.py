@@ -1,31 +1,28 @@
 """Host mode on vLLM's Model Runner V2: its CPU runner with npu-graphs graphs.
 
-vLLM builds V2's graph manager inside ``initialize_kv_cache`` by the name
-``ModelCudaGraphManager`` of ``vllm.v1.worker.gpu.model_runner``; while that call runs,
-the name means the bridge's :class:`~npu_vllm_bridge.graphs.v2_graphs.BridgeModelGraphManager`.
-The model state's ``prepare_attn`` leaves each step's attention metadata with that
-manager, whose FULL replays update the attention tasks with it.
+The graph manager is the bridge's
+(:class:`~npu_vllm_bridge.graphs.v2_graphs.BridgeModelGraphManager`), installed where
+vLLM builds its own and handed each step's attention metadata by the hook the NPU's V2
+runner shares (``graphs/v2_runner.py``).
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any
-from unittest import mock
 
-import vllm.v1.worker.gpu.model_runner as gpu_model_runner
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.config import CompilationMode
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
 
 from npu_graphs import get_backend
 from npu_vllm_bridge.graphs.counters import graph_counters
-from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager
+from npu_vllm_bridge.graphs.v2_runner import GraphManagerHook
 from npu_vllm_bridge.graphs.wrapper import graph_backend_name, live_wrappers
 from npu_vllm_bridge.worker.host_v2_kernels import register_pointer_tensors
 
 
-class HostModelRunnerV2(CPUModelRunnerV2):
+class HostModelRunnerV2(GraphManagerHook, CPUModelRunnerV2):
     """vLLM's V2 ``CPUModelRunner`` whose graphs are npu-graphs host graphs."""
 
     def warming_up_model(self) -> None:
@@ -34,15 +31,10 @@ class HostModelRunnerV2(CPUModelRunnerV2):
         if self.compilation_config.mode != CompilationMode.NONE:
             super().warming_up_model()
 
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
-        self._leave_attn_metadata_with_graphs()
-
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's, building the bridge's graph manager; the block tables' data
         pointers are registered for the PyTorch block-table kernels."""
-        with mock.patch.object(gpu_model_runner, "ModelCudaGraphManager", BridgeModelGraphManager):
-            super().initialize_kv_cache(*args, **kwargs)
+        super().initialize_kv_cache(*args, **kwargs)
         tables = self.block_tables
         register_pointer_tensors([table.gpu for table in tables.block_tables])
         register_pointer_tensors(tables.input_block_tables)
@@ -76,14 +68,3 @@ class HostModelRunnerV2(CPUModelRunnerV2):
             wrapper.clear_graphs()
         graph_counters().estimated_bytes = estimate
         return estimate
-
-    def _leave_attn_metadata_with_graphs(self) -> None:
-        prepare_attn = self.model_state.prepare_attn
-
-        def prepare_attn_for_replay(*args: Any, **kwargs: Any) -> Any:
-            attn_metadata = prepare_attn(*args, **kwargs)
-            if isinstance(self.cudagraph_manager, BridgeModelGraphManager):
-                self.cudagraph_manager.step_attn_metadata = attn_metadata
-            return attn_metadata
-
-        self.model_state.prepare_attn = prepare_attn_for_replay

@@ -1,5 +1,8 @@
 """NPU worker and model runner: vLLM's GPU ones with torch.npu in place of torch.cuda.
 
+The worker builds the runner of the model runner vLLM selected: V1's here, V2's in
+``npu_v2.py``.
+
 Written against vLLM 0.32's ``Worker`` / ``GPUModelRunner`` and torch_npu's published
 API; it has not run on NPU hardware.
 """
@@ -17,9 +20,9 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
+from npu_vllm_bridge.attention.kv_cache import refuse_kv_cache_zeroing
 from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
-from npu_vllm_bridge.settings import PREFIX
 
 # torch.cuda names vLLM's GPU runner and worker call, and their torch.npu twins.
 _CUDA_TO_NPU = (
@@ -64,13 +67,7 @@ class NPUModelRunner(GraphRunnerMixin, GPUModelRunner):
         return self.profile_graph_memory()
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
-        if kv_cache_config.needs_kv_cache_zeroing:
-            # vLLM would zero blocks by id in its packed page layout; the NPU pages
-            # hold K and V planes instead.
-            raise ValueError(
-                f"{PREFIX} does not support models whose KV cache vLLM zeroes by "
-                "block (Mamba layers or mixed-precision KV caches) on the NPU"
-            )
+        refuse_kv_cache_zeroing(kv_cache_config)
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
 
 
@@ -96,17 +93,14 @@ class NPUWorker(Worker):
         self.requested_memory = request_memory(self.init_snapshot, self.cache_config, 0)
         self._init_workspace_and_model_runner()
 
-    def _make_model_runner(self) -> GPUModelRunner:
-        """The bridge's NPU runner, on vLLM's V1 model runner only.
+    def _make_model_runner(self) -> Any:
+        return self.model_runner_class()(self.vllm_config, self.device)
 
-        Raises:
-            ValueError: vLLM selected Model Runner V2 (its scheduler would then speak
-                to a V1 runner).
-        """
-        if self.use_v2_model_runner:
-            raise ValueError(
-                f"{PREFIX} runs vLLM's V1 model runner on the NPU, but vLLM selected Model "
-                "Runner V2 (Triton is available, or VLLM_USE_V2_MODEL_RUNNER=1); set "
-                "VLLM_USE_V2_MODEL_RUNNER=0"
-            )
-        return NPUModelRunner(self.vllm_config, self.device)
+    def model_runner_class(self) -> type:
+        """The bridge's NPU runner of the model runner vLLM selected: :class:`NPUModelRunner`
+        (V1), or ``NPUModelRunnerV2`` (``npu_v2.py``) under Model Runner V2."""
+        if not self.use_v2_model_runner:
+            return NPUModelRunner
+        from npu_vllm_bridge.worker.npu_v2 import NPUModelRunnerV2
+
+        return NPUModelRunnerV2
