@@ -83,15 +83,23 @@ def test_odd_widths_half_precision_and_cache_layouts(layout: str, triton_mla) ->
     assert_latents_written(case, paged)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_heads", [16, 32, 64, 128])  # 128 / TP of 1, 2, 4 and 8 ranks
-@pytest.mark.parametrize("spec_tokens", [0, 1, 3])
-@pytest.mark.parametrize("block_size", [16, 64])
-def test_gpu_deepseek_widths(num_heads: int, spec_tokens: int, block_size: int) -> None:
-    """Every head tile the provider picks (16, 32 or 64 heads a program, rows of heads x
-    tokens 16 to 64, 4 or 8 warps) at DeepSeek-V3's widths."""
-    spec = MLASpec(
+@pytest.mark.parametrize("context", [False, True])
+def test_prefill_values_narrower_than_keys(context: bool) -> None:
+    """MLA's prefill shape at small widths: 24-wide queries and keys (16 + 8 rope), 16-wide
+    values, through the portable kernel; prefills alone (no cached context) and after
+    a cached prefix, beside decodes."""
+    spec = _spec(v_head_dim=16)
+    if context:
+        case = make_mla_case(spec, [1, 7, 20], [9, 5, 33], 1, pad_tokens=2, device=DEVICE)
+    else:
+        case = make_mla_case(spec, [5, 17, 1], [0, 0, 0], 0, pad_tokens=2, device=DEVICE)
+    decode_out, prefill_out, _, step = run_mla_case(case, provider="triton")
+    assert (step.provider_data.prefill.token_blocks is None) == context
+    assert_mla_matches_oracle(case, decode_out, prefill_out)
+
+
+def _deepseek_spec(num_heads: int, block_size: int, spec_tokens: int = 0) -> MLASpec:
+    return MLASpec(
         num_heads=num_heads,
         kv_lora_rank=512,
         qk_nope_head_dim=128,
@@ -101,6 +109,49 @@ def test_gpu_deepseek_widths(num_heads: int, spec_tokens: int, block_size: int) 
         dtype=torch.bfloat16,
         num_speculative_tokens=spec_tokens,
     )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("hopper", [True, False])
+def test_gpu_prefill_deepseek_widths(num_heads: int, block_size: int, hopper: bool, triton_mla):
+    """The MHA prefill at DeepSeek-V3's widths (192-wide queries and keys, 128-wide
+    values) without cached context, requests across tile edges (1, 63, 64, 65, 128,
+    129, 300 tokens; unused cache slots NaN): through the Gluon prefill on a Hopper GPU
+    (``hopper``, checked that it ran there) and through the portable kernel."""
+    from npu_attention.providers.triton import gluon_kernels
+
+    triton_mla.hopper_prefill = hopper
+    kernels = gluon_kernels(torch.device("cuda"), "hopper_prefill")
+    if hopper and kernels is None:
+        pytest.skip("needs a Hopper GPU and a Triton whose Gluon the kernels ran on")
+    calls = []
+    if kernels is not None:
+        original = kernels.hopper_prefill
+        kernels.hopper_prefill = lambda *a, **k: calls.append(1) or original(*a, **k)
+    query_lens = [1, 63, 64, 65, 128, 129, 300]
+    spec = _deepseek_spec(num_heads, block_size)
+    case = make_mla_case(spec, query_lens, [0] * 7, 0, pad_tokens=3, device="cuda")
+    try:
+        decode_out, prefill_out, _, _ = run_mla_case(case, provider="triton")
+    finally:
+        if kernels is not None:
+            kernels.hopper_prefill = original
+    assert len(calls) == int(hopper)
+    assert_mla_matches_oracle(case, decode_out, prefill_out)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_heads", [16, 32, 64, 128])  # 128 / TP of 1, 2, 4 and 8 ranks
+@pytest.mark.parametrize("spec_tokens", [0, 1, 3])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_deepseek_widths(num_heads: int, spec_tokens: int, block_size: int) -> None:
+    """Every head tile the provider picks (16, 32 or 64 heads a program, rows of heads x
+    tokens 16 to 64, 4 or 8 warps) at DeepSeek-V3's widths."""
+    spec = _deepseek_spec(num_heads, block_size, spec_tokens)
     q = 1 + spec_tokens
     case = make_mla_case(
         spec, [q] * 5 + [40], [0, 7, 300, 1100, 64, 90], 5, pad_tokens=3, device="cuda"

@@ -200,3 +200,52 @@ def test_gpu_hopper_prefill_replays_in_a_graph_on_refreshed_inputs() -> None:
     torch.testing.assert_close(
         second_out[:real].float().cpu(), second.reference(), atol=tol, rtol=tol
     )
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize(
+    "heads, causal", [((16, 16), True), ((8, 2), True), ((16, 16), False)], ids=str
+)
+def test_gpu_hopper_prefill_mla_widths(heads: tuple[int, int], causal: bool) -> None:
+    """192-wide queries and keys (read as 128 + 64 columns) with 128-wide values, as
+    MLA's prefill has them: output and log-sum-exp against float32 attention, request
+    lengths across the tile edges; rows past the requests untouched."""
+    from npu_attention.providers.triton_kernels.hopper_prefill import (
+        hopper_prefill,
+        hopper_prefill_supported,
+    )
+
+    num_heads, kv_heads = heads
+    query_lens, pad = [1, 63, 64, 65, 128, 129, 300], 3
+    tokens = sum(query_lens)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    query, key = rand(tokens + pad, num_heads, 192), rand(tokens + pad, kv_heads, 192)
+    value = rand(tokens + pad, kv_heads, 128)
+    out = torch.full((tokens + pad, num_heads, 128), float("nan"), device="cuda")
+    out = out.to(torch.bfloat16)
+    lse = torch.full((tokens + pad, num_heads), float("nan"), device="cuda")
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], device="cuda")
+    assert hopper_prefill_supported(query, key, value, out)
+    scale = 192**-0.5
+    hopper_prefill(
+        query, key, value, out, cu.int(), scale=scale, causal=causal, lse=lse
+    )  # fmt: skip
+    group = num_heads // kv_heads
+    for r, n in enumerate(query_lens):
+        rows = slice(int(cu[r]), int(cu[r]) + n)
+        q = query[rows].float()
+        k = key[rows].float().repeat_interleave(group, dim=1)
+        v = value[rows].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if causal:
+            hidden = torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        torch.testing.assert_close(out[rows].float(), expected, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse[rows], torch.logsumexp(scores, -1).T, atol=2e-3, rtol=2e-3)
+    assert out[tokens:].isnan().all() and lse[tokens:].isnan().all()

@@ -334,6 +334,11 @@ class TritonProvider(AttentionProvider):
         )
         return True
 
+    def prefill_config(self, spec: AttentionSpec, paged: bool = True) -> AttentionLaunchConfig:
+        """The portable kernel's launch for a prefill of ``spec``, its keys read from
+        the pages (``paged``) or from contiguous rows."""
+        return self._launch_config(spec, False, 1, False, paged)
+
     def _launch_config(
         self,
         spec: AttentionSpec,

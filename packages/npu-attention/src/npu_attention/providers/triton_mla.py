@@ -6,8 +6,15 @@ rope 64) go to the Gluon kernel of ``hopper_mla_decode.py``; everything else (ot
 widths, float32, other GPUs and Triton versions, triton-ascend) to the portable
 kernel of ``mla_decode.py``. ``write_cache`` and ``decode`` only launch kernels that
 read the step from the plan's device tensors, so both can be captured in a device
-graph and replayed after the plan's fixed buffers are refreshed. Prefill
-(non-absorbed) runs the reference provider's PyTorch path on the same device.
+graph and replayed after the plan's fixed buffers are refreshed.
+
+Prefill (non-absorbed, MHA over 192-wide keys and 128-wide values at DeepSeek's
+widths) decompresses the prefill requests' keys and values with the caller's
+up-projection, then runs a Triton kernel over them: on Hopper GPUs, prefills without
+cached context go to the Gluon prefill of ``hopper_prefill.py`` over the requests'
+own rows (gathered from the cache by the tokens' slots); everything else (a cached
+prefix, other widths, other GPUs, the interpreter) to the portable kernel of
+``paged_attention.py`` over the decompressed pages.
 """
 
 from __future__ import annotations
@@ -17,16 +24,25 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
 from npu_attention.mla.cache import LatentCache
+from npu_attention.mla.run import KVUpProjection, up_projected_heads
 from npu_attention.mla.spec import MLASpec
 from npu_attention.plan import AttentionPlan
 from npu_attention.providers.mla_base import require_cache
-from npu_attention.providers.reference_mla import PrefillPages, ReferenceMLAProvider, prefill_pages
-from npu_attention.providers.triton import gluon_kernels
+from npu_attention.providers.reference import _to
+from npu_attention.providers.reference_mla import (
+    ReferenceMLAProvider,
+    _proxy_spec,
+    _ranges,
+    decompressed_pages,
+)
+from npu_attention.providers.triton import TritonProvider, gluon_kernels
 
 if TYPE_CHECKING:  # triton is optional: its kernels are imported where they run
+    from npu_attention.providers.triton_kernels import AttentionLaunchConfig
     from npu_attention.providers.triton_kernels.mla_decode import MLADecodeConfig
 
 _MAX_KV_SPLITS = 64
@@ -43,15 +59,38 @@ class HopperMLALaunch:
 
 
 @dataclass(frozen=True)
+class TritonMLAPrefill:
+    """The prefill requests of a step, as the prefill kernels read them.
+
+    ``cu_seqlens_q`` (int32 ``[prefills + 1]``) counts rows from the first prefill
+    token; ``seq_lens`` (int32 ``[prefills]``) is a view of the plan's.
+    ``token_blocks``/``token_offsets`` (int64 ``[prefill tokens]``): each token's
+    cache slot, when no prefill request has cached context (the Gluon prefill's own
+    rows); else ``None``. ``pages`` (int64 ``[num_pages]``): the cache blocks the
+    portable kernel's decompressed pages come from, and ``block_tables`` (int32
+    ``[prefills, max_pages]``) the requests' pages among them; ``launch``: the
+    portable kernel's launch.
+    """
+
+    launch: AttentionLaunchConfig
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    token_blocks: torch.Tensor | None
+    token_offsets: torch.Tensor | None
+    pages: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass(frozen=True)
 class TritonMLAData:
     """``num_kv_splits``: decode programs along each request's keys; ``decode``: the
     portable kernel's decode launch, made once for every layer (``None`` without
     decodes); ``hopper``: the Gluon kernel's launch when it takes the step's decodes
-    (``decode`` stays the fallback for tensors it refuses); ``prefill``: the reference
-    provider's prefill pages (``None`` without prefills)."""
+    (``decode`` stays the fallback for tensors it refuses); ``prefill``: the prefill
+    requests (``None`` without prefills)."""
 
     num_kv_splits: int
-    prefill: PrefillPages | None
+    prefill: TritonMLAPrefill | None
     decode: MLADecodeConfig | None = None
     hopper: HopperMLALaunch | None = None
 
@@ -75,6 +114,10 @@ class TritonMLAProvider(ReferenceMLAProvider):
             slots that stops adding splits (see ``_hopper_splits``).
         hopper_min_programs: decodes with fewer programs than this share of the
             multiprocessors take fewer query heads a program (see ``_hopper_heads``).
+        hopper_prefill: prefills without cached context through the Gluon prefill
+            (Hopper GPUs, 192-wide keys and 128-wide values, or equal widths it takes).
+        attention: the ``triton`` attention provider whose prefill launch the portable
+            prefill takes (MHA at the query/key width).
     """
 
     name: ClassVar[str] = "triton"
@@ -106,6 +149,8 @@ class TritonMLAProvider(ReferenceMLAProvider):
         self.hopper_min_tokens_per_split = 64
         self.hopper_min_fill = 0.9
         self.hopper_min_programs = 0.25
+        self.hopper_prefill = True
+        self.attention = TritonProvider()
 
     @classmethod
     def is_available(cls) -> bool:
@@ -130,8 +175,70 @@ class TritonMLAProvider(ReferenceMLAProvider):
             else:
                 splits = self._hopper_splits(plan, hopper)
             decode = self.decode_config(plan.spec, splits)
-        prefill = prefill_pages(plan) if plan.num_decodes < plan.num_reqs else None
+        prefill = None
+        if plan.num_decodes < plan.num_reqs:
+            proxy = _proxy_spec(plan.spec, plan.spec.num_heads, plan.spec.qk_head_dim)
+            prefill = prefill_requests(plan, self.attention.prefill_config(proxy))
         return TritonMLAData(splits, prefill, decode, hopper)
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        cache: LatentCache,
+        plan: AttentionPlan,
+        kv_up_proj: KVUpProjection,
+        out: torch.Tensor,
+    ) -> None:
+        from npu_attention.providers.triton_kernels import paged_attention
+
+        spec, data = plan.spec, plan.provider_data.prefill
+        rows = plan.num_prefill_tokens
+        query, out = query[:rows], out[:rows]
+        if data.token_blocks is not None and self._prefill_hopper(
+            query, cache, plan, kv_up_proj, out
+        ):
+            return
+        keys, values = decompressed_pages(cache, data.pages, spec, kv_up_proj)
+        paged_attention(
+            query,
+            keys,
+            values,
+            out,
+            data.cu_seqlens_q,
+            data.seq_lens,
+            data.block_tables,
+            config=data.launch,
+            decode_tiles=False,
+            scale=spec.softmax_scale,
+        )
+
+    def _prefill_hopper(
+        self,
+        query: torch.Tensor,
+        cache: LatentCache,
+        plan: AttentionPlan,
+        kv_up_proj: KVUpProjection,
+        out: torch.Tensor,
+    ) -> bool:
+        """The prefill through the Gluon kernel over the tokens' own rows, when the
+        device and the widths let it; ``False``: nothing ran."""
+        kernels = gluon_kernels(query.device, "hopper_prefill") if self.hopper_prefill else None
+        if kernels is None:
+            return False
+        spec, data = plan.spec, plan.provider_data.prefill
+        kv_c = cache.kv_c[data.token_blocks, data.token_offsets]  # [rows, L]
+        k_pe = cache.k_pe[data.token_blocks, data.token_offsets]  # [rows, R]
+        k_nope, values = up_projected_heads(kv_up_proj, kv_c, spec)
+        if k_nope.dtype != spec.dtype:
+            raise TypeError(f"kv_up_proj must return {spec.dtype}, got {k_nope.dtype}")
+        keys = torch.cat([k_nope, k_pe[:, None].expand(-1, spec.num_heads, -1)], dim=-1)
+        values = values.contiguous()
+        if not kernels.hopper_prefill_supported(query, keys, values, out):
+            return False
+        kernels.hopper_prefill(
+            query, keys, values, out, data.cu_seqlens_q, scale=spec.softmax_scale, causal=True
+        )
+        return True
 
     def write_cache(
         self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: AttentionPlan
@@ -300,3 +407,42 @@ class TritonMLAProvider(ReferenceMLAProvider):
         counts = [n for n in range(1, max(1, longest) + 1) if -(-tiles // -(-tiles // n)) == n]
         enough = [n for n in counts if fill(n) >= self.hopper_min_fill]
         return enough[0] if enough else max(counts, key=lambda n: (fill(n), -n))
+
+
+def prefill_requests(plan: AttentionPlan, launch: AttentionLaunchConfig) -> TritonMLAPrefill | None:
+    """The prefill requests' rows, lengths and pages (``TritonMLAPrefill``); ``None``
+    when they have no query token."""
+    host, spec = plan.host_arrays, plan.spec
+    first, last = plan.num_decodes, plan.num_reqs
+    query_lens, seq_lens = host.query_lens[first:], host.seq_lens[first:]
+    if not query_lens.sum():
+        return None
+    device, block_size = plan.device, spec.block_size
+    cu = np.concatenate([[0], np.cumsum(query_lens)])
+    table_width = plan.block_tables.shape[1]
+    table = plan.block_tables.reshape(-1)
+    requests = np.arange(first, last)
+    # Pages: each request's, in order, one after the other.
+    num_pages = -(-seq_lens // block_size)
+    first_page = np.concatenate([[0], np.cumsum(num_pages)[:-1]])
+    width = max(1, int(num_pages.max()))
+    compact = first_page[:, None] + np.minimum(
+        np.arange(width), np.maximum(num_pages - 1, 0)[:, None]
+    )
+    entries = np.repeat(requests, num_pages) * table_width + _ranges(num_pages)
+    pages = table.index_select(0, _to(entries, device)).long()
+    token_blocks = token_offsets = None
+    if not host.context_lens[first:].any():  # every key is a prefill token's own
+        positions = _ranges(query_lens)
+        entries = np.repeat(requests, query_lens) * table_width + positions // block_size
+        token_blocks = table.index_select(0, _to(entries, device)).long()
+        token_offsets = _to(positions % block_size, device)
+    return TritonMLAPrefill(
+        launch=launch,
+        cu_seqlens_q=_to(cu, device, np.int32),
+        seq_lens=plan.seq_lens[first:last],
+        token_blocks=token_blocks,
+        token_offsets=token_offsets,
+        pages=pages,
+        block_tables=_to(compact, device, np.int32),
+    )

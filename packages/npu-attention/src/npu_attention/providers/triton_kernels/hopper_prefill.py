@@ -15,7 +15,8 @@ kernel orders the work itself, in the way FlashAttention-3 does on Hopper:
 
 It covers what a prefill without cached context needs: causal or not, any number of
 requests packed along the token axis (varlen), GQA, head sizes 64/128/256 (16-bit),
-and the optional log-sum-exp output. Sliding windows and soft caps stay on the
+the MHA form of an MLA prefill (192-wide queries and keys, read as 128 + 64 columns,
+with 128-wide values), and the optional log-sum-exp output. Sliding windows and soft caps stay on the
 portable kernel. Gluon, ``wgmma`` and TMA need Triton 3.5+ and compute capability 9.0
 (sm_90a); :func:`hopper_prefill_supported` says whether a call can take this path.
 """
@@ -43,26 +44,36 @@ except ImportError:  # older Triton, triton-ascend: the portable kernel serves
 _LOG2E = 1.4426950408889634
 BLOCK_M = 128  # query rows a program takes: two warpgroups of 64
 ROWS_PER_CONSUMER = 64
+_SHARED_BYTES = 224 * 1024  # query tile and K/V stages (H100, H200: 227 KiB a block)
 
 HEAD_SIZES = (64, 128, 256)
+# (query/key width, value width) pairs besides equal ``HEAD_SIZES``: MLA's prefill.
+MIXED_HEAD_SIZES = ((192, 128),)
 
 
 def hopper_prefill_supported(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor
 ) -> bool:
-    """Whether :func:`hopper_prefill` takes ``query``/``out`` ``[tokens, heads,
-    head_size]`` with ``key``/``value`` ``[tokens, kv_heads, head_size]``: Gluon
-    present, CUDA tensors, fp16/bf16, a head size of ``HEAD_SIZES``, and each token's
-    heads contiguous in rows a TMA descriptor takes (16-byte aligned). The caller
-    checks the device's compute capability (9.x)."""
+    """Whether :func:`hopper_prefill` takes ``query`` ``[tokens, heads, head_size]``,
+    ``key`` ``[tokens, kv_heads, head_size]``, ``value`` ``[tokens, kv_heads,
+    value_size]`` and ``out`` ``[tokens, heads, value_size]``: Gluon present, CUDA
+    tensors, fp16/bf16, equal sizes of ``HEAD_SIZES`` or a pair of
+    ``MIXED_HEAD_SIZES``, and each token's heads contiguous in rows a TMA descriptor
+    takes (16-byte aligned). The caller checks the device's compute capability (9.x)."""
     if not HAVE_GLUON or query.device.type != "cuda":
         return False
-    head_size = query.shape[-1]
-    if head_size not in HEAD_SIZES or query.dtype not in (torch.float16, torch.bfloat16):
+    head_size, value_size = query.shape[-1], value.shape[-1]
+    sizes_taken = head_size == value_size and head_size in HEAD_SIZES
+    if not (sizes_taken or (head_size, value_size) in MIXED_HEAD_SIZES):
         return False
-    if out.dtype != query.dtype or out.stride(-1) != 1:
+    if query.dtype not in (torch.float16, torch.bfloat16):
         return False
-    return all(_rows_take_descriptor(t, query.dtype, head_size) for t in (query, key, value))
+    if out.dtype != query.dtype or out.stride(-1) != 1 or out.shape[-1] != value_size:
+        return False
+    return all(
+        _rows_take_descriptor(t, query.dtype, width)
+        for t, width in ((query, head_size), (key, head_size), (value, value_size))
+    )
 
 
 def _rows_take_descriptor(t: torch.Tensor, dtype: torch.dtype, head_size: int) -> bool:
@@ -94,13 +105,14 @@ def hopper_prefill(
     Args:
         query: ``[tokens, heads, head_size]`` fp16/bf16; request ``r`` holds rows
             ``cu_seqlens_q[r]:cu_seqlens_q[r + 1]``.
-        key, value: ``[tokens, kv_heads, head_size]``, the same rows as ``query``.
-        out: ``[tokens, heads, head_size]`` (any strides, last one 1).
+        key, value: ``[tokens, kv_heads, head_size]`` and ``[tokens, kv_heads,
+            value_size]``, the same rows as ``query``.
+        out: ``[tokens, heads, value_size]`` (any strides, last one 1).
         cu_seqlens_q: int32 ``[num_reqs + 1]`` on the device.
         lse: optional float32 ``[>= tokens, heads]``: natural-log log-sum-exp of each
             row's scaled scores.
-        stages: K/V tiles in flight: 2 or 3 (3 needs 224 KB of shared memory at head
-            size 128; head size 256 always takes 2).
+        stages: K/V tiles in flight, at most :func:`max_stages` (3 at head size 128,
+            2 at 192 / 128 and 256).
 
     The caller checks :func:`hopper_prefill_supported`. Rows past
     ``cu_seqlens_q[-1]`` are left untouched.
@@ -110,12 +122,18 @@ def hopper_prefill(
     if num_tokens == 0 or num_reqs == 0:
         return
     num_kv_heads = key.shape[1]
-    stages = stages if head_size <= 128 else 2
-    dtype = gl.float16 if query.dtype == torch.float16 else gl.bfloat16
-    q_desc = _row_descriptor(query, ROWS_PER_CONSUMER, dtype)
     block_n = key_tile(head_size)
-    k_desc = _row_descriptor(key, block_n, dtype)
-    v_desc = _row_descriptor(value, block_n, dtype)
+    stages = max(1, min(stages, max_stages(head_size, value.shape[-1], block_n)))
+    dtype = gl.float16 if query.dtype == torch.float16 else gl.bfloat16
+    # A width that is no power of two (192) is read as a power of two and a tail (128 + 64).
+    main = 1 << (head_size.bit_length() - 1)
+    tail = head_size - main
+    q_desc = _row_descriptor(query, ROWS_PER_CONSUMER, main, dtype)
+    k_desc = _row_descriptor(key, block_n, main, dtype)
+    v_desc = _row_descriptor(value, block_n, value.shape[-1], dtype)
+    # Without a tail these are the main descriptors again, never read.
+    qt_desc = _row_descriptor(query, ROWS_PER_CONSUMER, tail, dtype) if tail else q_desc
+    kt_desc = _row_descriptor(key, block_n, tail, dtype) if tail else k_desc
     write_lse = lse is not None
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     num_slots = num_tokens // BLOCK_M + num_reqs
@@ -125,6 +143,8 @@ def hopper_prefill(
         q_desc,
         k_desc,
         v_desc,
+        qt_desc,
+        kt_desc,
         out,
         lse_arg,
         cu_seqlens_q,
@@ -136,7 +156,7 @@ def hopper_prefill(
         *lse_strides,
         scale * _LOG2E,
         QUERIES_PER_KV=num_heads // num_kv_heads,
-        HEAD=head_size,
+        TAIL=tail,
         STAGES=stages,
         CAUSAL=causal,
         WRITE_LSE=write_lse,
@@ -147,18 +167,23 @@ def hopper_prefill(
 
 def key_tile(head_size: int) -> int:
     """Keys per tile: 128, or 64 at head size 256 (two stages of K and V then fit the
-    shared memory beside the query tile)."""
-    return 128 if head_size <= 128 else 64
+    shared memory beside the query tile; at 192 / 128 two stages of 128 keys do)."""
+    return 128 if head_size <= 192 else 64
 
 
-def _row_descriptor(t: torch.Tensor, rows: int, dtype) -> "TensorDescriptor":
+def max_stages(head_size: int, value_size: int, block_n: int) -> int:
+    """K/V stages of ``block_n`` keys that fit beside the query tile (128 rows) in
+    ``_SHARED_BYTES`` (16-bit values)."""
+    query_bytes = BLOCK_M * head_size * 2
+    return (_SHARED_BYTES - query_bytes) // (block_n * (head_size + value_size) * 2)
+
+
+def _row_descriptor(t: torch.Tensor, rows: int, cols: int, dtype) -> "TensorDescriptor":
     """A 2-D descriptor over ``t`` seen as ``[tokens, heads * head_size]``; a box is
-    ``rows`` tokens of one head."""
+    ``rows`` tokens of ``cols`` columns of one head."""
     tokens, heads, head_size = t.shape
-    layout = nvmma_shared_layout(rows, head_size, dtype)
-    return TensorDescriptor(
-        t, [tokens, heads * head_size], [t.stride(0), 1], [rows, head_size], layout
-    )
+    layout = nvmma_shared_layout(rows, cols, dtype)
+    return TensorDescriptor(t, [tokens, heads * head_size], [t.stride(0), 1], [rows, cols], layout)
 
 
 if HAVE_GLUON:
@@ -170,12 +195,14 @@ if HAVE_GLUON:
         causal: gl.constexpr
         write_lse: gl.constexpr
         queries_per_kv: gl.constexpr
+        tail: gl.constexpr  # query/key columns past the first power of two (0, or 64 at 192)
 
         @gluon.constexpr_function
-        def __init__(self, causal, write_lse, queries_per_kv):
+        def __init__(self, causal, write_lse, queries_per_kv, tail):
             self.causal = gl.constexpr(causal)
             self.write_lse = gl.constexpr(write_lse)
             self.queries_per_kv = gl.constexpr(queries_per_kv)
+            self.tail = gl.constexpr(tail)
 
     @gluon.jit
     def _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q: gl.constexpr):
@@ -218,17 +245,23 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_partition(
-        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
-        cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs, flags,
+        q_desc, k_desc, v_desc, qt_desc, kt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
+        bars, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs, flags,
     ):  # fmt: skip
         """One warp: for each pair, both query halves, then K and V tiles into the
-        stage ring (a running count of tiles sets each stage's phase)."""
+        stage ring (a running count of tiles sets each stage's phase). With a tail,
+        each query half and key tile is two copies on one barrier."""
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
         rows: gl.constexpr = q_desc.block_type.shape[0]
-        HEAD: gl.constexpr = q_desc.block_type.shape[1]
+        MAIN: gl.constexpr = q_desc.block_type.shape[1]
+        TAIL: gl.constexpr = flags.tail
+        HEAD: gl.constexpr = MAIN + TAIL
+        HEAD_V: gl.constexpr = v_desc.block_type.shape[1]
         block_n: gl.constexpr = k_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
         QUERIES_PER_KV: gl.constexpr = flags.queries_per_kv
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes * HEAD // MAIN  # main and tail
+        k_bytes: gl.constexpr = k_desc.block_type.nbytes * HEAD // MAIN
         count = 0
         done = 0
         for pair in range(gl.program_id(0), num_pairs, gl.num_programs(0)):
@@ -238,28 +271,41 @@ if HAVE_GLUON:
             )  # fmt: skip
             if valid:
                 kv_col = (head // QUERIES_PER_KV) * HEAD
+                v_col = (head // QUERIES_PER_KV) * HEAD_V
                 for half in gl.static_range(2):
+                    q_row = q_start + q_tile * 2 * rows + half * rows
                     mbarrier.wait(q_empty.index(half), (done & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+                    mbarrier.expect(q_ready.index(half), q_bytes)
                     tma.async_copy_global_to_shared(
-                        q_desc,
-                        [q_start + q_tile * 2 * rows + half * rows, head * HEAD],
-                        q_ready.index(half),
-                        q_smem.index(half),
+                        q_desc, [q_row, head * HEAD], q_ready.index(half), q_smem.index(half)
                     )
+                    if TAIL:
+                        tma.async_copy_global_to_shared(
+                            qt_desc,
+                            [q_row, head * HEAD + MAIN],
+                            q_ready.index(half),
+                            qt_smem.index(half),
+                        )
                 for j in range(num_tiles):
                     stage = count % STAGES
                     empty_phase = ((count // STAGES) & 1) ^ 1  # a fresh barrier counts as emptied
                     row = q_start + j * block_n
                     mbarrier.wait(k_empty.index(stage), empty_phase)
-                    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                    mbarrier.expect(k_ready.index(stage), k_bytes)
                     tma.async_copy_global_to_shared(
                         k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
                     )
+                    if TAIL:
+                        tma.async_copy_global_to_shared(
+                            kt_desc,
+                            [row, kv_col + MAIN],
+                            k_ready.index(stage),
+                            kt_smem.index(stage),
+                        )
                     mbarrier.wait(v_empty.index(stage), empty_phase)
                     mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(
-                        v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage)
+                        v_desc, [row, v_col], v_ready.index(stage), v_smem.index(stage)
                     )
                     count += 1
                 done += 1
@@ -278,7 +324,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumer_partition(
-        q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
+        q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, out_ptr, lse_ptr,
         cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
         stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, half,
     ):  # fmt: skip
@@ -296,8 +342,8 @@ if HAVE_GLUON:
             if valid:
                 mbarrier.wait(q_ready.index(half), done & 1)
                 o, m_i, l_i, first_row = _attend_tile(
-                    q_smem, k_smem, v_smem, bars, half, count, q_tile, q_len, num_tiles,
-                    num_full, qk_scale, flags.causal,
+                    q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, half, count, q_tile,
+                    q_len, num_tiles, num_full, qk_scale, flags.causal, flags.tail,
                 )  # fmt: skip
                 _store_rows(
                     o, m_i, l_i, out_ptr, lse_ptr, q_start, first_row, q_len, head,
@@ -307,9 +353,18 @@ if HAVE_GLUON:
                 done += 1
 
     @gluon.jit
+    def _scores(q, k, qt, kt, zero_s, TAIL: gl.constexpr):
+        """Issue ``Q @ K^T`` of a key tile (asynchronous): the main columns, then the
+        tail's (one accumulator, so one wait covers both)."""
+        s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if TAIL:
+            s = warpgroup_mma(qt, kt.permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
     def _attend_tile(
-        q_smem, k_smem, v_smem, bars, half, count, q_tile, q_len,
-        num_tiles, num_full, qk_scale, CAUSAL: gl.constexpr,
+        q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, half, count, q_tile, q_len,
+        num_tiles, num_full, qk_scale, CAUSAL: gl.constexpr, TAIL: gl.constexpr,
     ):  # fmt: skip
         """The softmax of key tile ``j`` overlapping the ``P @ V`` of tile ``j - 1``;
         ``count``: key tiles this program consumed before. Releases the query half once
@@ -317,14 +372,14 @@ if HAVE_GLUON:
         sum (log2 domain) and the half's first row within its request."""
         _, q_empty, k_ready, v_ready, k_empty, v_empty = bars
         rows: gl.constexpr = q_smem.type.shape[1]
-        HEAD: gl.constexpr = q_smem.type.shape[2]
+        HEAD_V: gl.constexpr = v_smem.type.shape[2]
         STAGES: gl.constexpr = k_smem.type.shape[0]
         block_n: gl.constexpr = k_smem.type.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16]
         )
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD, 16]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_V, 16]
         )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
@@ -332,34 +387,31 @@ if HAVE_GLUON:
         first_row = q_tile * (2 * rows) + half * rows  # within the request
         row_pos = first_row + gl.arange(0, rows, layout=gl.SliceLayout(1, s_layout))
         q = q_smem.index(half)
+        qt = qt_smem.index(half)
         zero_s = gl.zeros([rows, block_n], gl.float32, layout=s_layout)
 
         # Tile 0: its scores alone.
         stage = count % STAGES
         mbarrier.wait(k_ready.index(stage), (count // STAGES) & 1)
-        s = warpgroup_mma(
-            q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
-        )
-        s = warpgroup_mma_wait(0, deps=(s, q, k_smem.index(stage)))[0]
+        s = _scores(q, k_smem.index(stage), qt, kt_smem.index(stage), zero_s, TAIL)
+        s = warpgroup_mma_wait(0, deps=(s, q, k_smem.index(stage), qt, kt_smem.index(stage)))[0]
         mbarrier.arrive(k_empty.index(stage), count=1)
         if num_full == 0:
             s = _masked_scores(s, row_pos, 0, q_len, block_n, s_layout, CAUSAL)
         m_i = gl.max(s, axis=1) * qk_scale
         p = gl.exp2(s * qk_scale - m_i[:, None])
         l_i = gl.sum(p, axis=1)
-        o = gl.zeros([rows, HEAD], gl.float32, layout=o_layout)
+        o = gl.zeros([rows, HEAD_V], gl.float32, layout=o_layout)
 
         for j in range(1, num_tiles):
             stage = (count + j) % STAGES
             prev = (count + j - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), ((count + j) // STAGES) & 1)
-            s_tok = warpgroup_mma(
-                q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
+            s_tok = _scores(q, k_smem.index(stage), qt, kt_smem.index(stage), zero_s, TAIL)
             mbarrier.wait(v_ready.index(prev), ((count + j - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_tok, k_smem.index(stage)))[0]
+            s = warpgroup_mma_wait(1, deps=(s_tok, k_smem.index(stage), kt_smem.index(stage)))[0]
             mbarrier.arrive(k_empty.index(stage), count=1)
             if j >= num_full:
                 s = _masked_scores(s, row_pos, j * block_n, q_len, block_n, s_layout, CAUSAL)
@@ -404,17 +456,26 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _hopper_prefill_kernel(
-        q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, num_reqs, num_slots,
-        num_pairs, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
-        QUERIES_PER_KV: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
+        q_desc, k_desc, v_desc, qt_desc, kt_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr,
+        num_reqs, num_slots, num_pairs, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+        QUERIES_PER_KV: gl.constexpr, TAIL: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
     ):  # fmt: skip
         rows: gl.constexpr = q_desc.block_type.shape[0]
+        MAIN: gl.constexpr = q_desc.block_type.shape[1]
+        HEAD_V: gl.constexpr = v_desc.block_type.shape[1]
         block_n: gl.constexpr = k_desc.block_type.shape[0]
         num_heads = num_pairs // num_slots
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, rows, HEAD], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, block_n, HEAD], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, block_n, HEAD], v_desc.layout)
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, rows, MAIN], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, block_n, MAIN], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, block_n, HEAD_V], v_desc.layout)
+        if TAIL:
+            qt_smem = gl.allocate_shared_memory(dtype, [2, rows, TAIL], qt_desc.layout)
+            kt_smem = gl.allocate_shared_memory(dtype, [STAGES, block_n, TAIL], kt_desc.layout)
+        else:  # never read
+            qt_smem = q_smem
+            kt_smem = k_smem
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -430,20 +491,20 @@ if HAVE_GLUON:
             mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
             mbarrier.init(v_empty.index(i), count=2)
         bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
-        flags = _Flags(CAUSAL, WRITE_LSE, QUERIES_PER_KV)
+        flags = _Flags(CAUSAL, WRITE_LSE, QUERIES_PER_KV, TAIL)
         first_consumer_args = (
-            q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
+            q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, out_ptr, lse_ptr,
             cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
             stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 0,
         )  # fmt: skip
         second_consumer_args = (
-            q_smem, k_smem, v_smem, bars, out_ptr, lse_ptr,
+            q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, out_ptr, lse_ptr,
             cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
             stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 1,
         )  # fmt: skip
         load_args = (
-            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars,
-            cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs, flags,
+            q_desc, k_desc, v_desc, qt_desc, kt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
+            bars, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs, flags,
         )  # fmt: skip
         gl.warp_specialize(
             [

@@ -117,6 +117,8 @@ def _attend_keys(
     window,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    VALUE_SIZE: tl.constexpr,
+    VALUE_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
@@ -130,14 +132,18 @@ def _attend_keys(
     """Online-softmax update over keys ``[key_positions_start, key_positions_end)``.
 
     With ``MASKED`` false every key of the range is known to be visible to every
-    row (loads then carry no key mask, and no head mask when ``HEAD_SIZE`` is a
-    power of two); otherwise keys ``>= valid_end`` and the causal / window masks
-    apply. ``m_i`` is kept in log2 units: ``scores * qk_scale`` (``qk_scale``
+    row (loads then carry no key mask, and no head mask when ``HEAD_SIZE`` /
+    ``VALUE_SIZE`` is a power of two); otherwise keys ``>= valid_end`` and the causal /
+    window masks apply. Values are ``VALUE_SIZE`` wide (MLA's prefill: 128 beside
+    192-wide keys). ``m_i`` is kept in log2 units: ``scores * qk_scale`` (``qk_scale``
     includes log2(e)).
     """
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
+    offs_v = tl.arange(0, VALUE_PAD)
+    v_mask = offs_v < VALUE_SIZE
     LOAD_MASKS: tl.constexpr = MASKED or HEAD_SIZE != HEAD_PAD
+    V_LOAD_MASKS: tl.constexpr = MASKED or VALUE_SIZE != VALUE_PAD
     for start_n in tl.range(key_positions_start, key_positions_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:  # noqa: SIM108 (a constexpr branch, not a value choice)
@@ -189,9 +195,9 @@ def _attend_keys(
         p = tl.exp2(scores * score_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
-        if LOAD_MASKS:
-            v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        v_ptrs = v_ptr + v_rows[:, None] + offs_v[None, :] * stride_vd
+        if V_LOAD_MASKS:
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & v_mask[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -276,6 +282,8 @@ def _paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    VALUE_SIZE: tl.constexpr,
+    VALUE_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -365,32 +373,35 @@ def _paged_attention_kernel(
         full_hi = tl.minimum(full_hi, kv_hi)
     full_hi = tl.maximum(kv_lo, kv_lo + ((full_hi - kv_lo) // BLOCK_N) * BLOCK_N)
 
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, VALUE_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
+        qk_scale, soft_cap, window, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
+        BLOCK_N, PAGED, PAGE_TILES,
         False, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, PAGED, PAGE_TILES,
+        qk_scale, soft_cap, window, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
+        BLOCK_N, PAGED, PAGE_TILES,
         True, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key seen: l_i = 0, acc = 0
-    out_mask = row_mask[:, None] & (offs_d < HEAD_SIZE)[None, :]
+    offs_v = tl.arange(0, VALUE_PAD)
+    out_mask = row_mask[:, None] & (offs_v < VALUE_SIZE)[None, :]
     if SPLIT:
         lse = _row_lse_log2(m_i, l_i)
         row = (token * NUM_HEADS + head) * num_splits + split
         tl.store(partial_lse_ptr + row, lse, mask=row_mask)
-        tl.store(partial_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], out, mask=out_mask)
+        tl.store(partial_out_ptr + row[:, None] * VALUE_PAD + offs_v[None, :], out, mask=out_mask)
     else:
         dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(dst + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(dst + offs_v[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=out_mask)
         if WRITE_LSE:
             tl.store(
                 lse_ptr + token * stride_lt + head * stride_lh,
@@ -473,12 +484,15 @@ def paged_attention(
     paged: bool = True,
     lse: torch.Tensor | None = None,
 ) -> None:
-    """Attention of ``query`` ``[tokens, heads, head_size]`` into ``out`` (same shape).
+    """Attention of ``query`` ``[tokens, heads, head_size]`` into ``out`` ``[tokens,
+    heads, value_size]``.
 
     Args:
         key_cache, value_cache: paged: ``[num_blocks, block_size, kv_heads, head_size]``
-            (any strides); not paged: ``[tokens, kv_heads, head_size]``, request
-            ``r``'s keys at rows ``cu_seqlens_q[r]:cu_seqlens_q[r + 1]``.
+            and ``[..., value_size]`` (any strides; ``value_size`` is ``head_size`` but
+            for MLA's prefill); not paged: ``[tokens, kv_heads, head_size]`` and
+            ``[..., value_size]``, request ``r``'s keys at rows
+            ``cu_seqlens_q[r]:cu_seqlens_q[r + 1]``.
         cu_seqlens_q: int32 ``[num_reqs + 1]`` on the device.
         seq_lens: int32 ``[num_reqs]``, context + new tokens of each request.
         block_tables: int32 ``[num_reqs, max_blocks]`` (paged only).
@@ -500,6 +514,8 @@ def paged_attention(
     num_kv_heads = key_cache.shape[-2]
     queries_per_kv = num_heads // num_kv_heads
     head_pad = max(16, next_power_of_2(head_size))
+    value_size = value_cache.shape[-1]
+    value_pad = max(16, next_power_of_2(value_size))
     block_q = config.block_m // queries_per_kv
     num_splits = config.num_splits if decode_tiles else 1
     if paged:
@@ -517,7 +533,7 @@ def paged_attention(
         grid = (num_tokens // block_q + num_reqs, num_kv_heads, 1)
     page_tiles = paged and block_size % config.block_n == 0
     split = num_splits > 1
-    partial_out, partial_lse = split_buffers(out, num_splits, head_pad) if split else (out, out)
+    partial_out, partial_lse = split_buffers(out, num_splits, value_pad) if split else (out, out)
     use_pdl = config.pdl and pdl_supported(query.device)
     # PTX, so CUDA only; with a sliding window the first keys are not at position 0.
     prefetch = config.prefetch_tiles > 0 and query.device.type == "cuda"
@@ -554,6 +570,8 @@ def paged_attention(
         QUERIES_PER_KV=queries_per_kv,
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
+        VALUE_SIZE=value_size,
+        VALUE_PAD=value_pad,
         BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m,
         BLOCK_Q=block_q,
