@@ -69,7 +69,11 @@ def sdpa_backend(name: str) -> Any:
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    backends = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
     return contextlib.nullcontext() if name == "default" else sdpa_kernel(backends[name])
 
 

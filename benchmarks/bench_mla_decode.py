@@ -40,9 +40,12 @@ BATCHES = (1, 64, 256)
 class Problem:
     """Queries and a paged latent cache of one batch; the same latents contiguous."""
 
-    def __init__(self, spec: MLASpec, batch: int, device: torch.device) -> None:
+    def __init__(
+        self, spec: MLASpec, batch: int, device: torch.device, context: int = CONTEXT
+    ) -> None:
         gen = torch.Generator(device=device).manual_seed(batch)
-        pages = CONTEXT // BLOCK_SIZE
+        self.context = context
+        pages = -(-context // BLOCK_SIZE)
         order = torch.randperm(batch * pages, generator=gen, device=device) + 1
         self.block_tables = order.view(batch, pages).to(torch.int32)
         self.cache = allocate_latent_cache(1 + batch * pages, spec, device)
@@ -56,7 +59,7 @@ class Problem:
         self.spec, self.batch = spec, batch
         self.step = plan(
             list(range(batch + 1)),
-            [CONTEXT] * batch,
+            [context] * batch,
             self.block_tables,
             torch.full((batch,), -1, dtype=torch.int64, device=device),
             batch,
@@ -66,12 +69,12 @@ class Problem:
         # the baseline's input: latents gathered into [batch, context, 576]
         rows = self.block_tables.long()
         self.latent = torch.cat([self.cache.kv_c[rows], self.cache.k_pe[rows]], dim=-1)
-        self.latent = self.latent.view(batch, CONTEXT, LATENT + ROPE)
+        self.latent = self.latent.view(batch, pages * BLOCK_SIZE, LATENT + ROPE)[:, :context]
         self.query = torch.cat([self.q_latent, self.q_rope], dim=-1)  # [batch, heads, 576]
 
     @property
     def latent_bytes(self) -> int:
-        return self.batch * CONTEXT * (LATENT + ROPE) * DTYPE.itemsize
+        return self.batch * self.context * (LATENT + ROPE) * DTYPE.itemsize
 
     def triton(self) -> torch.Tensor:
         return mla_decode(self.q_latent, self.q_rope, self.cache, self.step, self.out)
@@ -198,6 +201,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument(
+        "--context", type=int, default=CONTEXT, help="keys a request (64: one tile, the floor)"
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
     spec = MLASpec(
@@ -213,7 +219,7 @@ def main() -> None:
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
     rows, best = [], []
     for batch in args.batches:
-        problem = Problem(spec, batch, device)
+        problem = Problem(spec, batch, device, args.context)
         rows.extend(default_rows(problem, copy_bw))
         if args.tune:
             best.extend(tuned_rows(problem, copy_bw))
@@ -225,13 +231,13 @@ def main() -> None:
         print("\nbest launches (--tune):")
         _timing.print_table(["batch", "config", "us", "GB/s", "of_copy", "max_err"], best)
     _timing.write_json(
-        f"mla_decode_h{args.heads}",
+        f"mla_decode_h{args.heads}" + ("" if args.context == CONTEXT else f"_c{args.context}"),
         {
             "problem": {
                 "heads": args.heads,
                 "kv_lora_rank": LATENT,
                 "rope": ROPE,
-                "context": CONTEXT,
+                "context": args.context,
                 "block_size": BLOCK_SIZE,
                 "dtype": str(DTYPE),
             },

@@ -64,6 +64,7 @@ case $mode in
         ;;
     final)
         part prefill 90 python benchmarks/bench_prefill_attention.py
+        part mla_prefill 60 python benchmarks/bench_mla_prefill.py
         part decode 200 python benchmarks/bench_decode_attention.py
         part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
         part mla_decode 40 python benchmarks/bench_mla_decode.py
