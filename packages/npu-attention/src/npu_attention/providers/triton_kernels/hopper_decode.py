@@ -285,25 +285,25 @@ if HAVE_GLUON:
         )  # fmt: skip
 
     @gluon.jit
-    def _load_partition(
-        k_desc, v_desc, k_smem, v_smem, bars, seq_lens_ptr, block_tables_ptr,
-        table_width, stride_bt, shape: _Shape,
+    def load_ring(
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, req, col, seq_lens_ptr,
+        block_tables_ptr, table_width, stride_bt, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     ):  # fmt: skip
-        """One warp: the block table one tile ahead, each tile's pages into the ring."""
-        k_ready, v_ready, empty = bars
+        """A decode's loader warp (this kernel's and the MLA decode's): request ``req``'s
+        block table read one tile ahead, each tile's pages of two caches (``k`` and
+        ``v``: columns from ``col``; MLA: the latent and the rope) into their rings of
+        stages, a piece past the request's keys an arrival without bytes. Each stage's
+        ``k_ready`` and ``v_ready`` count one arrival a piece (one barrier for both:
+        two); the consumer frees a stage on ``empty``."""
         STAGES: gl.constexpr = k_smem.type.shape[0]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-        HEAD: gl.constexpr = k_smem.type.shape[2]
         PAGE_ROWS: gl.constexpr = k_desc.block_type.shape[0]
         PIECES: gl.constexpr = BLOCK_N // PAGE_ROWS
-        BLOCK_SIZE: gl.constexpr = shape.block_size
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        req = gl.program_id(0)
-        col = gl.program_id(1) * HEAD
         row = block_tables_ptr + req.to(gl.int64) * stride_bt
         offs = gl.arange(0, PIECES, layout=layout)
         pages, lo, hi, num_tiles = first_tile_pages(
-            row, table_width, seq_lens_ptr + req, offs, PAGE_ROWS, BLOCK_SIZE, BLOCK_N, shape.split
+            row, table_width, seq_lens_ptr + req, offs, PAGE_ROWS, BLOCK_SIZE, BLOCK_N, SPLIT
         )
         for j in range(num_tiles):
             first = lo + j * BLOCK_N
@@ -319,6 +319,20 @@ if HAVE_GLUON:
                 _fetch_piece(k_desc, k_smem, k_ready, stage, i, coord, key < hi)
                 _fetch_piece(v_desc, v_smem, v_ready, stage, i, coord, key < hi)
             pages = upcoming
+
+    @gluon.jit
+    def _load_partition(
+        k_desc, v_desc, k_smem, v_smem, bars, seq_lens_ptr, block_tables_ptr,
+        table_width, stride_bt, shape: _Shape,
+    ):  # fmt: skip
+        """One warp: the program's KV head of each tile's pages into the ring."""
+        k_ready, v_ready, empty = bars
+        HEAD: gl.constexpr = k_smem.type.shape[2]
+        load_ring(
+            k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, gl.program_id(0),
+            gl.program_id(1) * HEAD, seq_lens_ptr, block_tables_ptr, table_width, stride_bt,
+            shape.block_size, shape.split,
+        )  # fmt: skip
 
     @gluon.jit
     def _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, HEAD: gl.constexpr,

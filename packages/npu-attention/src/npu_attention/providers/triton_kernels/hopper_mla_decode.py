@@ -8,9 +8,10 @@ memory's (a latent row is 1152 bytes at 16 bits) until the query heads are many
 
 - the latent tile is loaded once into shared memory and read there by both
   ``Q @ K^T`` and ``P @ V`` (V is the tile's first 512 columns);
-- one loader warp reads the block table one tile ahead and fetches each tile's
-  pages with the tensor-memory accelerator into a ring of ``STAGES`` shared-memory
-  stages, signalling each on an mbarrier, while the consumer warps compute;
+- one loader warp (the GQA decode's, ``hopper_decode.load_ring``) reads the block
+  table one tile ahead and fetches each tile's pages with the tensor-memory
+  accelerator into a ring of ``STAGES`` shared-memory stages, signalling each on an
+  mbarrier, while the consumer warps compute;
 - query heads x query tokens go on the rows of the matrix products (up to 64 rows:
   16 heads x 4 tokens, or 64 of 128 heads); more heads, or a small batch of many
   heads given fewer a program (``max_heads``), take several programs a request,
@@ -42,15 +43,11 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.core import _aggregate as aggregate
 
-    from npu_attention.providers.triton_kernels.hopper_decode import (
-        first_tile_pages,
-        split_key_range,
-        tile_pages,
-    )
+    from npu_attention.providers.triton_kernels.hopper_decode import load_ring, split_key_range
 
     HAVE_GLUON = True
 except ImportError:  # older Triton, triton-ascend: the portable kernel serves
@@ -279,41 +276,13 @@ if HAVE_GLUON:
         kv_desc, pe_desc, kv_smem, pe_smem, ready, empty, seq_lens_ptr, block_tables_ptr,
         table_width, stride_bt, shape: _Shape,
     ):  # fmt: skip
-        """One warp: the block table one tile ahead, each tile's latent and rope rows
-        into the ring; a piece past the request's keys is an arrival without bytes."""
-        STAGES: gl.constexpr = kv_smem.type.shape[0]
-        BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
-        PAGE_ROWS: gl.constexpr = kv_desc.block_type.shape[0]
-        PIECES: gl.constexpr = BLOCK_N // PAGE_ROWS
-        BLOCK_SIZE: gl.constexpr = shape.block_size
-        NBYTES: gl.constexpr = kv_desc.block_type.nbytes + pe_desc.block_type.nbytes
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        req = gl.program_id(1)
-        row = block_tables_ptr + req.to(gl.int64) * stride_bt
-        offs = gl.arange(0, PIECES, layout=layout)
-        pages, lo, hi, num_tiles = first_tile_pages(
-            row, table_width, seq_lens_ptr + req, offs, PAGE_ROWS, BLOCK_SIZE, BLOCK_N, shape.split
-        )
-        for j in range(num_tiles):
-            first = lo + j * BLOCK_N
-            upcoming = tile_pages(
-                row, table_width, first + BLOCK_N, hi, offs, PAGE_ROWS, BLOCK_SIZE
-            )
-            stage = j % STAGES
-            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # fresh: counts as freed
-            bar = ready.index(stage)
-            for i in gl.static_range(PIECES):
-                key = first + i * PAGE_ROWS
-                valid = key < hi
-                page = gl.sum(gl.where(offs == i, pages, 0), axis=0)
-                coord = [page * BLOCK_SIZE + key % BLOCK_SIZE, 0]
-                mbarrier.expect(bar, NBYTES, pred=valid)
-                mbarrier.arrive(bar, pred=not valid)
-                kv_dst = kv_smem.index(stage).slice(i * PAGE_ROWS, PAGE_ROWS)
-                pe_dst = pe_smem.index(stage).slice(i * PAGE_ROWS, PAGE_ROWS)
-                tma.async_copy_global_to_shared(kv_desc, coord, bar, kv_dst, pred=valid)
-                tma.async_copy_global_to_shared(pe_desc, coord, bar, pe_dst, pred=valid)
-            pages = upcoming
+        """One warp: each tile's latent and rope rows into the ring (one ``ready``
+        barrier a stage for both; ``hopper_decode.load_ring``)."""
+        load_ring(
+            kv_desc, pe_desc, kv_smem, pe_smem, ready, ready, empty, gl.program_id(1), 0,
+            seq_lens_ptr, block_tables_ptr, table_width, stride_bt, shape.block_size,
+            shape.split,
+        )  # fmt: skip
 
     @gluon.jit
     def _stage_queries(
@@ -513,7 +482,7 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=PIECES)  # one arrival per piece
+            mbarrier.init(ready.index(i), count=2 * PIECES)  # latent and rope: one each a piece
             mbarrier.init(empty.index(i), count=1)
         shape = _Shape(NUM_HEADS, HEADS, ROWS, BLOCK_M, BLOCK_SIZE, SPLIT, WRITE_LSE)
         consumer_args = (
