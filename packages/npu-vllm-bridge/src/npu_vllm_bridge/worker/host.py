@@ -16,17 +16,19 @@ from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 
 logger = init_logger(f"vllm.{__name__}")
 
-# vLLM's CPU GEMM kernels (vllm._custom_ops.onednn_mm / weight_packed_linear_cpu).
-_CPU_GEMM_OPS = ("onednn_mm", "weight_packed_linear")
+# vLLM's CPU GEMM kernels (vllm._custom_ops.onednn_mm / weight_packed_linear_cpu) and
+# its CPU fused-MoE kernel (cpu_fused_moe: the experts of an unquantized MoE layer).
+_CPU_GEMM_OPS = ("onednn_mm", "weight_packed_linear", "cpu_fused_moe")
 
 
 class HostModelRunner(GraphRunnerMixin, CPUModelRunner):
     """vLLM's ``CPUModelRunner`` that captures and replays npu-graphs host graphs.
 
     A host graph is a recording of aten ops. vLLM's CPU linear layers call oneDNN or
-    SGL GEMM kernels through C++ custom ops whose work a recording below the op
-    cannot see; they read nothing but their arguments (the weight handle is one), so
-    they are recorded whole and host graphs run the same GEMMs as eager steps.
+    SGL GEMM kernels, and its MoE layers a fused-experts kernel, through C++ custom ops
+    whose work a recording below the op cannot see; they read nothing but their
+    arguments (the weight handle is one), so they are recorded whole and host graphs
+    run the same kernels as eager steps.
     """
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
