@@ -219,6 +219,19 @@ def test_tuple_inputs_and_outputs(backend, device):
     torch.testing.assert_close(double, a * 2)
 
 
+def test_yield_turn_says_whether_the_turn_passed(backend, device):
+    passed = []
+
+    def run(x, ctx):
+        for _ in range(1 + ctx.index):
+            passed.append((ctx.index, ctx.yield_turn()))
+        return x
+
+    MicroBatchRunner(run, backend=backend)(torch.zeros(4, 2).to(device), [2, 2])
+    # 0 hands over to 1, 1 back to 0, which ends; 1 is then the last one left.
+    assert passed == [(0, True), (1, True), (1, False)]
+
+
 def test_errors_in_a_micro_batch_reach_the_caller(backend, device):
     def run(x, ctx):
         if ctx.index == 1:

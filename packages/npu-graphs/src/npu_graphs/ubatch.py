@@ -52,10 +52,15 @@ class MicroBatchContext:
         self.compute_stream, self.comm_stream = compute_stream, comm_stream
         self._turns = turns
 
-    def yield_turn(self) -> None:
-        """Let the next micro-batch issue work; return when it is this one's turn again."""
-        if self._turns is not None:
-            self._turns.pass_on(self.index)
+    def yield_turn(self) -> bool:
+        """Let the next micro-batch issue work; return when it is this one's turn again.
+
+        Returns:
+            Whether the turn passed (False when no other micro-batch is left to run).
+        """
+        if self._turns is None:
+            return False
+        return self._turns.pass_on(self.index)
 
     @contextlib.contextmanager
     def communicate(self) -> Iterator[None]:
@@ -84,13 +89,14 @@ class _Turns:
     def wait(self, index: int) -> None:
         self._go[index].acquire()
 
-    def pass_on(self, index: int) -> None:
+    def pass_on(self, index: int) -> bool:
         with self._lock:
             successor = self._next(index)
         if successor is None:
-            return
+            return False
         self._go[successor].release()
         self._go[index].acquire()
+        return True
 
     def finish(self, index: int) -> None:
         with self._lock:
