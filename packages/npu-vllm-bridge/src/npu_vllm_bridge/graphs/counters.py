@@ -1,4 +1,5 @@
-"""Process-wide graph counters: what was captured, replayed and updated."""
+"""Process-wide graph counters: what was captured, replayed and updated, and how
+micro-batched (DBO) steps ran."""
 
 from __future__ import annotations
 
@@ -31,6 +32,21 @@ class GraphCounters:
         draft_task_updates: drafter FULL replays preceded by an update of the
             drafter's own task registry.
         draft_other_forwards: drafter forwards that ran PIECEWISE or eagerly.
+        split_steps: model forwards vLLM split into micro-batches (DBO; also counted in
+            ``replayed_steps`` or ``eager_steps`` as they ran).
+        split_decode_steps: those whose micro-batches held decodes only.
+        split_prefill_steps: those with a prefill (or a chunk of one) in a micro-batch.
+        split_unequal_steps: those whose micro-batches hold different token counts.
+        split_captured: micro-batched FULL graphs captured, both micro-batches in one
+            graph per batch size and split (also in ``captured``).
+        split_replayed_steps: split steps served by replaying a micro-batched graph.
+        split_task_updates: those replays preceded by the update of each micro-batch's
+            attention tasks with its own plan.
+        split_forwards_run: split forwards whose micro-batches ran in Python threads:
+            eager split steps, and the runs of a capture (warm-up included). A replay
+            runs the captured interleaving without them.
+        split_yields: hand-overs from one micro-batch to the other (at each MoE
+            dispatch and combine) in those forwards.
     """
 
     captured: int = 0
@@ -47,10 +63,34 @@ class GraphCounters:
     draft_replayed_steps: int = 0
     draft_task_updates: int = 0
     draft_other_forwards: int = 0
+    split_steps: int = 0
+    split_decode_steps: int = 0
+    split_prefill_steps: int = 0
+    split_unequal_steps: int = 0
+    split_captured: int = 0
+    split_replayed_steps: int = 0
+    split_task_updates: int = 0
+    split_forwards_run: int = 0
+    split_yields: int = 0
     serving: bool = False  # start-up (profiling, capture) is over
 
+    @property
+    def yields_per_split_forward(self) -> float:
+        """Mean hand-overs per split forward run in Python (0 when none ran)."""
+        return self.split_yields / self.split_forwards_run if self.split_forwards_run else 0.0
+
     def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+        return {**asdict(self), "yields_per_split_forward": self.yields_per_split_forward}
+
+    def describe_micro_batching(self) -> str:
+        """One line on the micro-batched steps, beside the graph counters."""
+        return (
+            f"Micro-batched steps: {self.split_steps} split ({self.split_decode_steps} decode, "
+            f"{self.split_prefill_steps} with a prefill), {self.split_replayed_steps} replayed "
+            f"one graph of both micro-batches ({self.split_captured} such graphs captured, "
+            f"{self.split_task_updates} per-micro-batch task updates), "
+            f"{self.yields_per_split_forward:.1f} hand-overs per split forward run in Python."
+        )
 
 
 _COUNTERS = GraphCounters()
@@ -64,5 +104,5 @@ def graph_counters() -> GraphCounters:
 def reset_graph_counters() -> None:
     """Zero every counter (tests and benchmarks)."""
     global _COUNTERS
-    for name, value in GraphCounters().as_dict().items():
+    for name, value in asdict(GraphCounters()).items():
         setattr(_COUNTERS, name, value)

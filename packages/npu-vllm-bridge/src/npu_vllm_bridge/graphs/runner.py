@@ -2,10 +2,11 @@
 
 Mixed into a vLLM ``GPUModelRunner`` subclass (the host one, the NPU one). vLLM's
 own runner already dispatches each step (``CudagraphDispatcher``: padded size,
-FULL / PIECEWISE / NONE) and sets the forward context; the bridge's wrapper reads
-it, updates the attention tasks and replays. What this mixin replaces is what
-vLLM hard-codes to CUDA: the FULL wrapper class, the capture loop and the graph
-memory profile that is subtracted before the KV cache is sized.
+FULL / PIECEWISE / NONE; with DBO, the split into micro-batches) and sets the forward
+context; the bridge's wrapper reads it, updates the attention tasks and replays. What
+this mixin replaces is what vLLM hard-codes to CUDA: the FULL wrapper class and the
+micro-batch wrapper class (``UBatchWrapper``), the capture loop and the graph memory
+profile that is subtracted before the KV cache is sized.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm.logger import init_logger
+from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
 
 from npu_graphs import GraphBackend, capture_all, get_backend
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.draft_graphs import DraftGraphs, install_draft_graphs
+from npu_vllm_bridge.graphs.ubatch_config import micro_batching_hidden
+from npu_vllm_bridge.graphs.ubatch_wrapper import BridgeUBatchWrapper
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name, live_wrappers
 from npu_vllm_bridge.settings import current_settings
 
@@ -34,14 +38,26 @@ class GraphRunnerMixin:
 
     vllm_config: Any
     compilation_config: Any
+    parallel_config: Any
     cudagraph_dispatcher: Any
     model: Any
 
     draft_graphs: DraftGraphs | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)  # type: ignore[misc]
-        if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+        # vLLM's GPU runner would wrap the model in its CUDA UBatchWrapper itself.
+        with micro_batching_hidden(self.parallel_config):
+            super().load_model(*args, **kwargs)  # type: ignore[misc]
+        full = self.compilation_config.cudagraph_mode.has_full_cudagraphs()
+        if self.parallel_config.use_ubatching:
+            # Where vLLM's GPU runner puts UBatchWrapper (no drafter: refused with DBO).
+            self.model = BridgeUBatchWrapper(
+                self.model,
+                self.vllm_config,
+                full_graphs=full,
+                num_attention_layers=count_attention_tasks(self.vllm_config, self.model),
+            )
+        elif full:
             self.model = BridgeGraphWrapper(
                 self.model,
                 self.vllm_config,
@@ -55,7 +71,8 @@ class GraphRunnerMixin:
     def get_draft_model(self) -> Any:
         """The drafter's model itself (vLLM unwraps only its own wrapper classes)."""
         model = super().get_draft_model()  # type: ignore[misc]
-        return model.unwrap() if isinstance(model, BridgeGraphWrapper) else model
+        wrapped = isinstance(model, (BridgeGraphWrapper, BridgeUBatchWrapper))
+        return model.unwrap() if wrapped else model
 
     def capture_model(self) -> int:
         """Capture every (mode, batch descriptor) vLLM's dispatcher will replay,
@@ -110,6 +127,9 @@ class GraphRunnerMixin:
         counters.capture_seconds += seconds
         # The capture's warm-up forwards are not steps.
         counters.eager_steps = counters.off_grid_steps = 0
+        counters.split_steps = counters.split_decode_steps = counters.split_prefill_steps = 0
+        counters.split_unequal_steps = 0
+        counters.split_forwards_run = counters.split_yields = 0
         counters.serving = True
         return int(held)
 
@@ -117,13 +137,29 @@ class GraphRunnerMixin:
         kind = "decode" if descs[0].uniform else "mixed prefill-decode"
 
         def capture_one(desc: Any) -> None:
-            self._warmup_and_capture(desc, cudagraph_runtime_mode=runtime_mode)  # type: ignore[attr-defined]
+            self._warmup_and_capture(  # type: ignore[attr-defined]
+                desc,
+                cudagraph_runtime_mode=runtime_mode,
+                allow_microbatching=self._split_at_capture(runtime_mode, desc),
+            )
 
         return capture_all(
             descs,
             capture_one,
             backend=backend,
             desc=f"Capturing {backend.name} graphs ({kind}, {runtime_mode.name})",
+        )
+
+    def _split_at_capture(self, runtime_mode: CUDAGraphMode, desc: Any) -> bool:
+        """Whether ``desc`` is captured split into micro-batches, as vLLM's GPU runner
+        decides: FULL uniform-decode sizes at or above the decode threshold (the size's
+        steps split then; capture-on-first-use captures whatever the step is)."""
+        parallel = self.parallel_config
+        return bool(
+            parallel.use_ubatching
+            and runtime_mode == CUDAGraphMode.FULL
+            and desc.uniform
+            and check_ubatch_thresholds(parallel, desc.num_tokens, uniform_decode=True)
         )
 
     def profile_graph_memory(self) -> int:
@@ -161,7 +197,7 @@ class GraphRunnerMixin:
             self.cudagraph_dispatcher.keys_initialized = False
             self._cleanup_profiling_kv_cache()  # type: ignore[attr-defined]
             counters = graph_counters()
-            counters.captured = counters.draft_captured = 0
+            counters.captured = counters.draft_captured = counters.split_captured = 0
             if self.draft_graphs is not None:
                 self.draft_graphs.wrapper.captured = 0
             compilation_counter.num_cudagraph_captured = saved_captures
@@ -183,7 +219,11 @@ class GraphRunnerMixin:
         samples = []
         for desc in {descs[0].num_tokens: descs[0], descs[-1].num_tokens: descs[-1]}.values():
             before, _ = backend.memory_breakdown()
-            self._warmup_and_capture(desc, cudagraph_runtime_mode=runtime_mode)  # type: ignore[attr-defined]
+            self._warmup_and_capture(  # type: ignore[attr-defined]
+                desc,
+                cudagraph_runtime_mode=runtime_mode,
+                allow_microbatching=self._split_at_capture(runtime_mode, desc),
+            )
             after, _ = backend.memory_breakdown()
             samples.append((desc.num_tokens, after - before))
         (n_big, m_big), (n_small, m_small) = samples[0], samples[-1]

@@ -47,12 +47,20 @@ def graph_backend_name() -> str:
     return name
 
 
-_WRAPPERS: weakref.WeakSet[BridgeGraphWrapper] = weakref.WeakSet()
+_WRAPPERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def live_wrappers() -> list[BridgeGraphWrapper]:
-    """The bridge's graph wrappers still alive in this process."""
+def live_wrappers() -> list[Any]:
+    """The bridge's graph wrappers still alive in this process (each has
+    ``clear_graphs()``): every :class:`BridgeGraphWrapper` and those handed to
+    :func:`track_wrapper`."""
     return list(_WRAPPERS)
+
+
+def track_wrapper(wrapper: Any) -> None:
+    """Count ``wrapper`` (it has ``clear_graphs()``) among :func:`live_wrappers`, whose
+    graphs the memory profile drops after measuring them."""
+    _WRAPPERS.add(wrapper)
 
 
 class BridgeGraphWrapper:

@@ -12,6 +12,10 @@ split at attention) with the ``eager`` backend, and otherwise turns compilation 
 
 vLLM's V1 model runner by default; with ``VLLM_USE_V2_MODEL_RUNNER=1``, Model Runner V2
 under Triton's interpreter, set up when vLLM loads this module (``worker/host_triton.py``).
+
+Micro-batch overlap (``--enable-dbo``) runs on data-parallel MoE models: the request is
+held past ``CpuPlatform``'s switch-off and vLLM's all-to-all check, and restored in the
+worker (``graphs/ubatch_config.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
+from npu_vllm_bridge.graphs.ubatch_config import hold_micro_batching
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 from npu_vllm_bridge.settings import PREFIX, BridgeSettings
@@ -59,6 +64,7 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
 
         checks.check_model_and_options(vllm_config)
         refuse_expert_parallel(vllm_config.parallel_config)
+        hold_micro_batching(vllm_config)  # before CpuPlatform turns DBO off
         compilation = vllm_config.compilation_config
         capture_sizes = list(compilation.cudagraph_capture_sizes or [])
         requested_mode = compilation.mode

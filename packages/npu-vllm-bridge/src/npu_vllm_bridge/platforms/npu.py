@@ -14,6 +14,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from npu_vllm_bridge.graphs.ubatch_config import hold_micro_batching
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 from npu_vllm_bridge.plugin import require_npu
@@ -108,6 +109,7 @@ class NPUPlatform(BridgePlatformMixin, Platform):
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         checks.check_model_and_options(vllm_config)
         _check_npu_options(vllm_config)
+        hold_micro_batching(vllm_config)  # past vLLM's all-to-all check; the worker restores
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
             cache_config.block_size = NPU_BLOCK_SIZE

@@ -13,6 +13,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
 from npu_vllm_bridge.collectives import record_all_reduce_whole
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
+from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -61,9 +62,11 @@ def record_cpu_gemms_whole() -> None:
 class HostWorker(CPUWorker):
     """vLLM's ``CPUWorker`` with the bridge's runner of the model runner vLLM selected:
     :class:`HostModelRunner` (V1), or ``HostModelRunnerV2`` (``host_v2.py``); captures
-    graphs after warm-up."""
+    graphs after warm-up. Micro-batch overlap held by the platform is switched back on
+    first (``graphs/ubatch_config.py``)."""
 
     def init_device(self) -> None:
+        restore_micro_batching(self.vllm_config)
         super().init_device()
         self.model_runner = self._bridge_model_runner()
         if self.model_config.enforce_eager:

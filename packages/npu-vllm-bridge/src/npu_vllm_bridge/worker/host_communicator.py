@@ -8,6 +8,10 @@ group's gloo process group through the bridge's collective custom ops
 (``collectives.py``), which host graphs record whole: the gather pads every rank's rows
 to the longest and keeps each rank's own; the reduce-scatter sums the whole tensor and
 keeps this rank's rows.
+
+Under micro-batch overlap (DBO) both are a micro-batch's MoE dispatch and combine: each
+runs as a collective of its micro-batch (``micro_batch_collective``), which then hands
+the turn to the other micro-batch.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
 from npu_vllm_bridge.collectives import all_gather_, all_reduce_
+from npu_vllm_bridge.graphs.ubatch_wrapper import micro_batch_collective
 
 
 class HostCommunicator(CpuCommunicator):
@@ -29,9 +34,10 @@ class HostCommunicator(CpuCommunicator):
     ) -> torch.Tensor | list[torch.Tensor]:
         """Concatenate every rank's ``input_`` along ``dim`` (rank ``r`` brings
         ``sizes[r]`` rows there; equal when ``sizes`` is None). A list gathers each."""
-        if isinstance(input_, list):
-            return [self._all_gatherv(tensor, dim, sizes) for tensor in input_]
-        return self._all_gatherv(input_, dim, sizes)
+        with micro_batch_collective():
+            if isinstance(input_, list):
+                return [self._all_gatherv(tensor, dim, sizes) for tensor in input_]
+            return self._all_gatherv(input_, dim, sizes)
 
     def reduce_scatterv(
         self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
@@ -40,8 +46,9 @@ class HostCommunicator(CpuCommunicator):
         ``input_`` (``sum(sizes)`` rows there; equal parts when ``sizes`` is None)."""
         rows = input_.movedim(dim, 0)
         sizes = self._checked_sizes(sizes, rows.shape[0], total=True)
-        summed = rows.contiguous().clone()
-        all_reduce_(summed, self.device_group)
+        with micro_batch_collective():
+            summed = rows.contiguous().clone()
+            all_reduce_(summed, self.device_group)
         start = sum(sizes[: self.rank_in_group])
         return summed[start : start + sizes[self.rank_in_group]].movedim(0, dim)
 

@@ -23,6 +23,7 @@ from vllm.v1.worker.utils import request_memory
 from npu_vllm_bridge.attention.kv_cache import refuse_kv_cache_zeroing
 from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
+from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
 
 # torch.cuda names vLLM's GPU runner and worker call, and their torch.npu twins.
 _CUDA_TO_NPU = (
@@ -76,6 +77,7 @@ class NPUWorker(Worker):
 
     def init_device(self) -> None:
         route_cuda_to_npu()
+        restore_micro_batching(self.vllm_config)  # held by the platform (DBO)
         self.device = torch.device(f"npu:{self.local_rank}")
         torch.npu.set_device(self.device)
         current_platform.check_if_supports_dtype(self.model_config.dtype)

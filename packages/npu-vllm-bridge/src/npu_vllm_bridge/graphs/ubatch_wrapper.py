@@ -1,0 +1,357 @@
+"""Micro-batch overlap (vLLM's DBO) in the place of vLLM's ``UBatchWrapper``.
+
+With ``--enable-dbo``, vLLM 0.32's model runner splits a step of a data-parallel MoE
+model into micro-batches when every DP rank has enough tokens (its thresholds, agreed
+across ranks), builds one attention-metadata dict per micro-batch, and calls the model
+with the step's ``ubatch_slices`` in the forward context. Its ``UBatchWrapper`` is
+CUDA's (CUDA streams, SM control, ``torch.cuda.CUDAGraph``); :class:`BridgeUBatchWrapper`
+takes its place on npu-graphs' ``MicroBatchRunner``:
+
+* each micro-batch runs the model on its own thread with its own forward context (its
+  attention metadata and data-parallel token counts), on the graph backend's streams
+  (the NPU's through the ``npu`` backend; host stand-ins in host mode);
+* the threads take turns: a micro-batch hands over at each MoE dispatch and combine
+  (:func:`micro_batch_collective`, around the communicator's ``all_gatherv`` and
+  ``reduce_scatterv``), after issuing the collective on its communication stream, so
+  the other micro-batch's compute is issued meanwhile. Every rank splits alike and
+  hands over in the same order, so the ranks' collectives pair up;
+* FULL graphs: both micro-batches of a split step are captured into one graph per
+  (batch descriptor, split), halves of any sizes vLLM's split gives. Before each
+  replay every micro-batch's attention tasks are re-issued with that micro-batch's
+  own plan; nothing synchronizes the host or the device before the replay (the NPU
+  backend orders its update stream after the previous replay by an event);
+* a step vLLM does not split runs as without DBO: through the bridge's FULL graph
+  wrapper, or eagerly.
+
+vLLM's own hand-over points (``dbo_yield`` in the MoE kernels' asynchronous
+prepare/finalize, DeepEP's and NIXL's) are not used: the MoE kernels the bridge runs
+under data parallelism gather and reduce-scatter through the communicator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import vllm.forward_context as vllm_forward_context
+from vllm.compilation import monitor
+from vllm.compilation.counter import compilation_counter
+from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
+from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.forward_context import (
+    DPMetadata,
+    ForwardContext,
+    create_forward_context,
+    get_forward_context,
+    is_forward_context_available,
+    override_forward_context,
+)
+from vllm.logger import init_logger
+
+from npu_graphs import (
+    MicroBatchContext,
+    MicroBatchRunner,
+    RuntimeMode,
+    TaskRegistry,
+    get_backend,
+    graph_dispatch,
+)
+from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.wrapper import (
+    BridgeGraphWrapper,
+    graph_backend_name,
+    is_decode_step,
+    per_layer_metadata,
+    track_wrapper,
+)
+from npu_vllm_bridge.settings import PREFIX, current_settings
+
+logger = init_logger(f"vllm.{__name__}")
+
+# The model's token-indexed keyword inputs, split along their first dimension.
+_TOKEN_INPUTS = ("input_ids", "positions", "inputs_embeds")
+
+
+@dataclass
+class _SplitStep:
+    """What the micro-batch threads of one split forward read."""
+
+    contexts: list[ForwardContext]  # one per micro-batch
+    names: tuple[str, ...]  # the split inputs' keyword names, in order
+    other_kwargs: dict[str, Any]  # the rest, passed to every micro-batch as given
+    inference_mode: bool
+    grad_enabled: bool
+    num_threads: int
+    runs: int = 0  # forwards run by the micro-batch threads (a capture runs more than one)
+    yields: int = 0
+
+
+@dataclass
+class _Running:
+    """The micro-batch this thread runs, and its step."""
+
+    ctx: MicroBatchContext
+    step: _SplitStep
+    forward_context: ForwardContext
+
+    def resume(self) -> None:
+        """This micro-batch's turn (again): its forward context is vLLM's current one."""
+        vllm_forward_context._forward_context = self.forward_context
+
+    def hand_over(self) -> None:
+        """Pass the turn (if another micro-batch is left); resume when it comes back."""
+        if self.ctx.yield_turn():
+            self.step.yields += 1
+            self.resume()
+
+
+_THREAD = threading.local()
+
+
+def current_micro_batch() -> MicroBatchContext | None:
+    """The micro-batch this thread runs (inside a split forward), else None."""
+    running = getattr(_THREAD, "running", None)
+    return running.ctx if running is not None else None
+
+
+@contextlib.contextmanager
+def micro_batch_collective() -> Iterator[None]:
+    """Around a collective of the MoE dispatch or combine. Inside a micro-batch, the
+    enclosed work is issued on its communication stream (ordered after its compute,
+    its later compute ordered after it) and the turn then passes to the other
+    micro-batch; elsewhere the block just runs."""
+    running: _Running | None = getattr(_THREAD, "running", None)
+    if running is None:
+        yield
+        return
+    with running.ctx.communicate():
+        yield
+    running.hand_over()
+
+
+class BridgeUBatchWrapper:
+    """The model, run as vLLM's micro-batches where vLLM splits a step.
+
+    Args:
+        runnable: the model.
+        vllm_config: vLLM's config (``parallel_config.num_ubatches`` micro-batches).
+        full_graphs: capture FULL graphs (split steps: one graph of all micro-batches
+            per batch size and split; other steps: the bridge's FULL graph wrapper).
+        num_attention_layers: attention tasks one micro-batch records (checked at
+            each capture, times the micro-batches); ``None`` to skip the check.
+        graph_backend: npu-graphs backend name; default: the current platform's.
+    """
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        vllm_config: VllmConfig,
+        full_graphs: bool,
+        num_attention_layers: int | None = None,
+        graph_backend: str | None = None,
+    ) -> None:
+        self.runnable = runnable
+        self.vllm_config = vllm_config
+        self.num_micro_batches = vllm_config.parallel_config.num_ubatches
+        backend = get_backend(graph_backend or graph_backend_name())
+        self.full_graphs = full_graphs
+        self.inner = (
+            BridgeGraphWrapper(
+                runnable, vllm_config, CUDAGraphMode.FULL, num_attention_layers, backend.name
+            )
+            if full_graphs
+            else None
+        )
+        expected = (
+            None if num_attention_layers is None else num_attention_layers * self.num_micro_batches
+        )
+        self.tasks = TaskRegistry("attention (micro-batched)", expected_tasks=expected)
+        self.runner = MicroBatchRunner(
+            self._run_micro_batch,
+            backend=backend,
+            mode=RuntimeMode.FULL,
+            tasks=self.tasks,
+            name=f"{type(runnable).__name__}[micro-batched FULL]",
+        )
+        self.capture_on_first_use = current_settings().capture_on_first_use
+        self._step: _SplitStep | None = None
+        track_wrapper(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not is_forward_context_available():
+            return self.runnable(*args, **kwargs)
+        context = get_forward_context()
+        slices = context.ubatch_slices
+        if slices is None:
+            whole = self.inner if self.inner is not None else self.runnable
+            return whole(*args, **kwargs)
+        if args:
+            raise TypeError(
+                f"{PREFIX}: a micro-batched forward takes the model's inputs by keyword "
+                f"(as vLLM's model runner passes them), got {len(args)} positional"
+            )
+        return self._run_split(context, slices, kwargs)
+
+    # -- a split step -------------------------------------------------------------------
+    def _run_split(self, context: ForwardContext, slices: list, kwargs: dict) -> Any:
+        splits = tuple(int(s.num_tokens) for s in slices)  # vLLM may give numpy ints
+        inputs, step = self._split_inputs(context, slices, kwargs)
+        counters = graph_counters()
+        counters.split_steps += 1
+        counters.split_unequal_steps += len(set(splits)) > 1
+        decode = all(is_decode_step(md) for md in context.attn_metadata or [None])
+        if decode:
+            counters.split_decode_steps += 1
+        else:
+            counters.split_prefill_steps += 1
+        key = context.batch_descriptor
+        full = self.full_graphs and context.cudagraph_runtime_mode == CUDAGraphMode.FULL
+        if not full and self.full_graphs:
+            counters.eager_steps += 1
+        self._step = step
+        try:
+            with override_forward_context(context):  # the threads set theirs; restored after
+                if not full:
+                    return self.runner(inputs, splits)  # eagerly (no graph dispatch)
+                if key is None:
+                    raise ValueError(f"{PREFIX}: FULL micro-batched dispatch without a batch key")
+                if self.runner.has_graph(key, splits):
+                    return self._replay(context, key, splits, inputs)
+                return self._capture(key, splits, inputs)
+        finally:
+            self._step = None
+            counters.split_forwards_run += step.runs
+            counters.split_yields += step.yields
+
+    def _replay(self, context: ForwardContext, key: Any, splits: tuple, inputs: tuple) -> Any:
+        counters = graph_counters()
+        counters.replayed_steps += 1
+        counters.split_replayed_steps += 1
+        if self.tasks.num_tasks(self.runner.graph_key(key, splits)):
+            steps = [per_layer_metadata(md) for md in context.attn_metadata]
+            self.runner.update_tasks(key, splits, steps)
+            counters.task_updates += 1
+            counters.split_task_updates += 1
+        with graph_dispatch(RuntimeMode.FULL, key):
+            return self.runner(inputs, splits)
+
+    def _capture(self, key: Any, splits: tuple, inputs: tuple) -> Any:
+        """Capture both micro-batches of ``splits`` as one graph: at start-up, or
+        (``capture_on_first_use``) at the first step of the key and split."""
+        at_start_up = monitor.cudagraph_capturing_enabled
+        if not self.capture_on_first_use:
+            validate_cudagraph_capturing_enabled()
+        start = time.perf_counter()
+        with graph_dispatch(RuntimeMode.FULL, key):
+            outputs = self.runner(inputs, splits)
+        counters = graph_counters()
+        counters.captured += 1
+        counters.split_captured += 1
+        compilation_counter.num_cudagraph_captured += 1
+        if not at_start_up:
+            counters.capture_seconds += time.perf_counter() - start
+            counters.capture_bytes = self.runner.backend.memory_in_use()
+        logger.debug("captured micro-batched graph %s split %s", key, splits)
+        return outputs
+
+    def _split_inputs(
+        self, context: ForwardContext, slices: list, kwargs: dict
+    ) -> tuple[tuple[torch.Tensor, ...], _SplitStep]:
+        """The token-indexed inputs to split (a tuple of tensors) and the step's state."""
+        if kwargs.get("intermediate_tensors") is not None:
+            raise ValueError(f"{PREFIX} does not micro-batch pipeline stages")
+        positions = kwargs.get("positions")
+        if positions is not None and positions.ndim != 1:
+            raise ValueError(
+                f"{PREFIX} micro-batches 1-D positions only, got positions of shape "
+                f"{tuple(positions.shape)} (M-RoPE)"
+            )
+        names = tuple(n for n in _TOKEN_INPUTS if kwargs.get(n) is not None)
+        inputs = tuple(kwargs[n] for n in names)
+        other = {k: v for k, v in kwargs.items() if k not in names}
+        step = _SplitStep(
+            contexts=self._micro_batch_contexts(context, slices),
+            names=names,
+            other_kwargs=other,
+            inference_mode=torch.is_inference_mode_enabled(),
+            grad_enabled=torch.is_grad_enabled(),
+            num_threads=torch.get_num_threads(),
+        )
+        return inputs, step
+
+    def _micro_batch_contexts(self, context: ForwardContext, slices: list) -> list[ForwardContext]:
+        """One forward context per micro-batch: its attention metadata, slot mapping and
+        padding mask, and its token counts across DP ranks (every rank splits its
+        padded step at the same points, so micro-batch ``i`` holds as many tokens on
+        every rank). Graph dispatch is off inside: the micro-batches run eagerly, or
+        into the one capture of the whole split."""
+        parallel = self.vllm_config.parallel_config
+        attn, slots, padding = context.attn_metadata, context.slot_mapping, context.is_padding
+        per_slot = isinstance(slots, list)
+        contexts = []
+        for index, piece in enumerate(slices):
+            dp = None
+            if context.dp_metadata is not None:
+                counts = torch.full(
+                    (parallel.data_parallel_size,), piece.num_tokens, dtype=torch.int32
+                )
+                dp = DPMetadata.make(parallel, piece.num_tokens, counts)
+            contexts.append(
+                create_forward_context(
+                    attn[index] if attn is not None else None,
+                    self.vllm_config,
+                    dp_metadata=dp,
+                    cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                    batch_descriptor=context.batch_descriptor,
+                    slot_mapping=slots[index] if per_slot else None,
+                    is_padding=padding[piece.token_slice] if padding is not None else None,
+                )
+            )
+        return contexts
+
+    def _run_micro_batch(self, parts: tuple[torch.Tensor, ...], ctx: MicroBatchContext) -> Any:
+        """One micro-batch's forward, on its thread (MicroBatchRunner's runnable)."""
+        step = self._step
+        assert step is not None, "micro-batch run outside a split step"
+        running = _Running(ctx, step, step.contexts[ctx.index])
+        _THREAD.running = running
+        step.runs += ctx.index == 0
+        try:
+            running.resume()
+            if torch.get_num_threads() != step.num_threads:
+                torch.set_num_threads(step.num_threads)
+            kwargs = dict(step.other_kwargs)
+            kwargs.update(zip(step.names, parts))
+            with (
+                torch.inference_mode(step.inference_mode),
+                torch.set_grad_enabled(step.grad_enabled),
+            ):
+                return self.runnable(**kwargs)
+        finally:
+            _THREAD.running = None
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def has_graph(self, key: Any, splits: Any = None) -> bool:
+        if splits is None:
+            return self.inner is not None and self.inner.has_graph(key)
+        return self.runner.has_graph(key, splits)
+
+    def clear_graphs(self) -> None:
+        self.runner.reset()
+        if self.inner is not None:
+            self.inner.clear_graphs()
+
+    def unwrap(self) -> Callable[..., Any]:
+        runnable = self.runnable
+        return runnable.unwrap() if hasattr(runnable, "unwrap") else runnable
+
+    def __getattr__(self, name: str) -> Any:
+        runnable = self.__dict__.get("runnable")
+        if runnable is None:
+            raise AttributeError(name)
+        return getattr(runnable, name)
