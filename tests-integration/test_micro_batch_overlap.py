@@ -1,0 +1,79 @@
+"""Micro-batch overlap (vLLM's DBO, ``enable_dbo``) in host mode, eagerly and with FULL
+graphs, against one data-parallel rank without it.
+
+Two DP ranks of a tiny random Qwen3-MoE (``dp_ranks.py``), each its own process group
+stopped by id, split steps into two micro-batches from low thresholds (2 decode tokens,
+4 tokens with a prefill): the prefill steps, and decode steps until fewer than two
+requests are left on a rank. Prompts stop at different lengths, so decode batches
+shrink (4, 3, 2 requests) and vLLM's split gives unequal halves (3 tokens: 1 + 2), and
+ranks with fewer requests run padded micro-batches. The eight greedy requests (four
+per rank, in flight together) must give the tokens of one rank without DBO, and each
+sampled token's logprob within 1e-4 of it. Each rank must report split decode and
+prefill steps, unequal ones, and hand-overs at the MoE collectives; with FULL graphs,
+split decode steps replayed from one graph of both micro-batches, each micro-batch's
+attention tasks updated with its own plan before each replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+from dp_ranks import by_prompt, run_rank_results, write_tiny_moe
+
+MAX_TOKENS = [12, 11, 10, 12, 9, 12, 11, 10]  # per prompt; rank r runs prompts r::2
+LOGPROB_ATOL = 1e-4
+DBO = {"enable_dbo": True, "dbo_decode_token_threshold": 2, "dbo_prefill_token_threshold": 4}
+FULL_GRAPHS = {
+    "enforce_eager": False,
+    "compilation_config": {
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": [1, 2, 3, 4, 8],
+    },
+}
+MOE_LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_tiny_moe(tmp_path_factory.mktemp("dbo") / "tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_moe, tmp_path_factory):
+    """Tokens and logprobs of every prompt from one rank, eager, no micro-batches."""
+    results = run_rank_results(tiny_moe, 1, tmp_path_factory.mktemp("dp1"), max_tokens=MAX_TOKENS)
+    tokens = by_prompt(results, "tokens")
+    assert [len(t) for t in tokens] == MAX_TOKENS, tokens
+    assert results[0]["counters"]["split_steps"] == 0
+    return tokens, by_prompt(results, "logprobs")
+
+
+@pytest.mark.parametrize("graphs", ["eager", "full"])
+def test_two_micro_batched_ranks_equal_one_rank(tiny_moe, one_rank, tmp_path, graphs):
+    engine = {**DBO, **(FULL_GRAPHS if graphs == "full" else {})}
+    results = run_rank_results(
+        tiny_moe, 2, tmp_path, name=f"dbo-{graphs}", max_tokens=MAX_TOKENS, engine=engine
+    )
+    tokens, logprobs = by_prompt(results, "tokens"), by_prompt(results, "logprobs")
+    expected_tokens, expected_logprobs = one_rank
+    for index, (ours, theirs) in enumerate(zip(tokens, expected_tokens)):
+        assert ours == theirs, f"prompt {index}: DBO {ours} != one rank {theirs}"
+    for index, (ours, theirs) in enumerate(zip(logprobs, expected_logprobs)):
+        worst = max(abs(a - b) for a, b in zip(ours, theirs))
+        assert worst <= LOGPROB_ATOL, f"prompt {index}: logprobs differ by {worst}"
+    for rank, result in enumerate(results):
+        c = result["counters"]
+        summary = f"rank {rank}: {c}"
+        assert c["split_decode_steps"] >= 3 and c["split_prefill_steps"] >= 1, summary
+        assert c["split_unequal_steps"] >= 1, summary
+        # Each micro-batch hands over at every MoE dispatch and combine.
+        assert c["yields_per_split_forward"] == 2 * 2 * MOE_LAYERS, summary
+        if graphs == "eager":
+            assert c["captured"] == 0 and c["split_replayed_steps"] == 0, summary
+            continue
+        assert c["split_captured"] >= 2, summary  # 4 tokens (2 + 2), 3 tokens (1 + 2)
+        assert c["split_replayed_steps"] >= 1, summary
+        assert c["split_task_updates"] == c["split_replayed_steps"], summary
+        # Every split decode step ran as one graph of both micro-batches (captured at
+        # its first step, replayed after), the unequal 1 + 2 split among them (the
+        # prefill step splits its padded 20 tokens 10 + 10).
+        assert c["split_captured"] + c["split_replayed_steps"] == c["split_decode_steps"], summary
