@@ -150,6 +150,10 @@ def test_each_micro_batch_takes_its_own_step(backend, device):
         with graph_dispatch(RuntimeMode.FULL, 12):
             out = runner(static, splits).clone()
         torch.testing.assert_close(out, _per_micro_batch_expected(static, splits, seq_lens), **TOL)
+    # The same through replay_with_update (the update in the order the backend allows).
+    seq_lens = [[2, 1, 2], [3, 4]]
+    out = runner.replay_with_update(12, splits, static, [_named(lens) for lens in seq_lens])
+    torch.testing.assert_close(out, _per_micro_batch_expected(static, splits, seq_lens), **TOL)
 
 
 def test_a_micro_batch_left_with_its_old_step_is_caught(backend, device):
@@ -187,6 +191,8 @@ def test_micro_batch_steps_must_fit(backend, device):
         runner(static, [3, 3])
     with pytest.raises(ValueError, match=r"2 micro-batches \[3, 3\] need one step each, got 1"):
         runner.update_tasks(6, [3, 3], [_named([3])])
+    with pytest.raises(ValueError, match=r"need one step each, got 3"):
+        runner.replay_with_update(6, [3, 3], static, [_named([3])] * 3)
     with pytest.raises(
         TaskUpdateError, match="recorded in micro-batch 1; the update brought steps for 1"
     ):

@@ -601,8 +601,12 @@ def _issue(
     grouped: bool,
 ) -> tuple[Any, Any]:
     """Run ``fn`` inside the capture: as one recorded task, in a task group, or plainly
-    (no host step values, or a backend without task update). Returns (result, handle)."""
-    backend, graph, stream = session.backend, session.graph, session.stream
+    (no host step values, or a backend without task update). Returns (result, handle).
+
+    The group brackets the stream the op is issued on: the capture stream, or a stream
+    joined to the capture (a micro-batch's, say)."""
+    backend, graph = session.backend, session.graph
+    stream = backend.current_stream()
     if not grouped:
         return fn(*args, **kwargs, **host), None
     if backend.records_tasks_whole:

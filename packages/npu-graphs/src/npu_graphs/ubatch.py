@@ -206,6 +206,32 @@ class MicroBatchRunner:
             raise ValueError("this MicroBatchRunner has no task registry (tasks=) to update")
         tasks.update(self.graph_key(key, splits), PerMicroBatch(steps))
 
+    def replay_with_update(
+        self, key: Hashable, splits: Sequence[int], inputs: Any, steps: Sequence[Any]
+    ) -> Any:
+        """Replay the overlapped graph of ``splits`` under ``key`` with the tasks of
+        micro-batch ``i`` brought to ``steps[i]``, in the order the backend allows
+        (:meth:`GraphWrapper.replay_with_update`: on the NPU the replay is launched
+        first and each task waits on the device for its update); returns its outputs.
+
+        Raises:
+            ValueError: not one step per micro-batch, or no task registry.
+            KeyError: no graph of ``splits`` under ``key``.
+        """
+        splits = tuple(splits)
+        if len(steps) != len(splits):
+            raise ValueError(
+                f"{len(splits)} micro-batches {list(splits)} need one step each, got {len(steps)}"
+            )
+        tasks = self._graph.tasks
+        if tasks is None:
+            raise ValueError("this MicroBatchRunner has no task registry (tasks=) to update")
+        graph_key = self.graph_key(key, splits)
+        per_micro_batch = PerMicroBatch(steps)
+        return self._graph.replay_with_update(
+            graph_key, lambda: tasks.update(graph_key, per_micro_batch), inputs, splits
+        )
+
     def reset(self) -> None:
         """Drop every captured overlapped graph and its tasks."""
         self._graph.reset()
