@@ -169,10 +169,10 @@ def test_a_skipped_micro_batch_task_update_is_caught(monkeypatch):
     whole, halves, slices = setup.step(STEPS[0])
     setup.run(halves, slices, CUDAGraphMode.FULL)  # capture with step 0's plans
     captured = halves[1]
-    update = setup.wrapper.runner.update_tasks
+    replay = setup.wrapper.runner.replay_with_update
     monkeypatch.setattr(
-        setup.wrapper.runner, "update_tasks",
-        lambda key, splits, steps: update(key, splits, [steps[0], captured]),
+        setup.wrapper.runner, "replay_with_update",
+        lambda key, splits, inputs, steps: replay(key, splits, inputs, [steps[0], captured]),
     )  # fmt: skip
     whole, halves, slices = setup.step(STEPS[2])
     reference = setup.run(whole)

@@ -16,9 +16,10 @@ takes its place on npu-graphs' ``MicroBatchRunner``:
   the other micro-batch's compute is issued meanwhile. Every rank splits alike and
   hands over in the same order, so the ranks' collectives pair up;
 * FULL graphs: both micro-batches of a split step are captured into one graph per
-  (batch descriptor, split), halves of any sizes vLLM's split gives. Before each
-  replay every micro-batch's attention tasks are re-issued with that micro-batch's
-  own plan; nothing synchronizes the host or the device before the replay (the NPU
+  (batch descriptor, split), halves of any sizes vLLM's split gives. For each replay
+  every micro-batch's attention tasks are re-issued with that micro-batch's own plan
+  (host graphs: before the replay; NPU: right after it is launched, each task waiting
+  on the device for its update); nothing synchronizes the host or the device (the NPU
   backend orders its update stream after the previous replay by an event);
 * a step vLLM does not split runs as without DBO: through the bridge's FULL graph
   wrapper, or eagerly.
@@ -229,16 +230,19 @@ class BridgeUBatchWrapper:
             counters.split_yields += step.yields
 
     def _replay(self, context: ForwardContext, key: Any, splits: tuple, inputs: tuple) -> Any:
+        """Replay the graph of both micro-batches, each micro-batch's attention tasks
+        brought to its own plan: before the replay on host graphs; on the NPU after the
+        replay is launched (each task waits on the device for its update)."""
         counters = graph_counters()
         counters.replayed_steps += 1
         counters.split_replayed_steps += 1
-        if self.tasks.num_tasks(self.runner.graph_key(key, splits)):
-            steps = [per_layer_metadata(md) for md in context.attn_metadata]
-            self.runner.update_tasks(key, splits, steps)
-            counters.task_updates += 1
-            counters.split_task_updates += 1
-        with graph_dispatch(RuntimeMode.FULL, key):
-            return self.runner(inputs, splits)
+        if not self.tasks.num_tasks(self.runner.graph_key(key, splits)):
+            with graph_dispatch(RuntimeMode.FULL, key):
+                return self.runner(inputs, splits)
+        steps = [per_layer_metadata(md) for md in context.attn_metadata]
+        counters.task_updates += 1
+        counters.split_task_updates += 1
+        return self.runner.replay_with_update(key, splits, inputs, steps)
 
     def _capture(self, key: Any, splits: tuple, inputs: tuple) -> Any:
         """Capture both micro-batches of ``splits`` as one graph: at start-up, or
