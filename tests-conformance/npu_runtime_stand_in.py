@@ -12,8 +12,16 @@ tensors:
   ``replay`` runs the recorded ops, with the host arguments they were captured
   or last updated with. Workspace sizing (``*_get_max_workspace``,
   ``*_get_workspace``) is host work and runs at once. Capturing on the default
-  stream, work issued on another stream during a capture, and a device synchronize
-  during a capture fail.
+  stream and a device synchronize during a capture fail.
+- Several streams in one capture (as torch_npu's capture of a model that forks
+  streams): a stream joins the capture by waiting for captured work (``wait_stream``
+  on a captured stream, or ``wait_event`` on an ``Event`` recorded on one); its ops
+  are then captured (in issue order: the replay runs the graph's ops in the order the
+  host issued them) and it may hold task groups. Work issued on a stream that has not
+  joined fails, and so does a capture that ends before the capture stream has waited
+  for every joined stream's last work (torch_npu's ``capture_end`` fails, 107025:
+  "capture model contains a stream that was not joined to the original stream").
+  The current stream is per host thread, as in torch_npu.
 - Task groups: ``graph_task_group_begin/end(stream)`` bracket ops on the capture
   stream and return a handle. ``graph_task_update_begin(stream, handle)`` ...
   ``graph_task_update_end(stream)`` must run on a stream other than the capture
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -78,8 +87,30 @@ class TaskGroup:
 class _Capture:
     graph: StandInGraph
     stream: StandInStream
-    group: TaskGroup | None = None
-    waited: dict[StandInExternalEvent, bool] = field(default_factory=dict)  # event -> reset
+    # Per stream in the capture: the open task group, the ExternalEvents waited (-> reset).
+    groups: dict[StandInStream, TaskGroup] = field(default_factory=dict)
+    waited: dict[StandInStream, dict[StandInExternalEvent, bool]] = field(default_factory=dict)
+    # Vector clocks of the captured streams: clocks[s][t] = ops of stream t that the work
+    # issued next on s comes after (clocks[s][s]: ops issued on s so far).
+    clocks: dict[StandInStream, dict[StandInStream, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.clocks[self.stream] = {self.stream: 0}
+
+    def join(self, stream: StandInStream, clock: dict[StandInStream, int]) -> None:
+        """Later work on ``stream`` comes after the captured work ``clock`` counts."""
+        mine = self.clocks.setdefault(stream, {stream: 0})
+        for other, ticks in clock.items():
+            mine[other] = max(mine.get(other, 0), ticks)
+
+    def unjoined(self) -> list[StandInStream]:
+        """Captured streams whose last work the capture stream has not waited for."""
+        final = self.clocks[self.stream]
+        return [
+            stream
+            for stream, clock in self.clocks.items()
+            if stream is not self.stream and final.get(stream, 0) < clock[stream]
+        ]
 
 
 @dataclass
@@ -106,13 +137,27 @@ class NpuRuntime(Launcher):
     def __init__(self, api: PythonApi, log: CallLog) -> None:
         self.api, self.log = api, log
         self.classes = _bound_classes(self)
+        self._thread = threading.local()  # each host thread's current stream
         self.default_stream = self.classes["Stream"].internal("default")
-        self.current_stream = self.default_stream
         self.side_stream: StandInStream | None = None
         self.capture: _Capture | None = None
         self.update: _Update | None = None
         self.queued: dict[StandInStream, list[Replay]] = {}  # launched, not finished
         self._streams = 0
+
+    @property
+    def current_stream(self) -> StandInStream:
+        """This host thread's current stream (the default stream until it sets one)."""
+        return getattr(self._thread, "stream", self.default_stream)
+
+    @current_stream.setter
+    def current_stream(self, stream: StandInStream) -> None:
+        self._thread.stream = stream
+
+    def captured_clock(self, stream: StandInStream) -> dict[StandInStream, int] | None:
+        """The vector clock of ``stream`` if it is in the capture under way, else None."""
+        capture = self.capture
+        return None if capture is None else capture.clocks.get(stream)
 
     def held_replays(self) -> list[Replay]:
         """Replays launched and not finished (held at a task group, or queued behind one)."""
@@ -168,14 +213,19 @@ class NpuRuntime(Launcher):
             self.update.issued.append(op)
             return _deferred_result(op)
         if self.capture is not None:
+            stream = self.current_stream
+            clock = self.capture.clocks.get(stream)
             _expect(
-                self.current_stream is self.capture.stream,
-                f"torch_npu.{name} issued on stream {self.current_stream.name} during a "
-                f"capture on {self.capture.stream.name}",
+                clock is not None,
+                f"torch_npu.{name} issued on stream {stream.name} during a capture on "
+                f"{self.capture.stream.name}, and {stream.name} has not joined the capture "
+                "(it must first wait for the capture stream's work)",
             )
+            clock[stream] += 1
             self.capture.graph.ops.append(op)
-            if self.capture.group is not None:
-                self.capture.group.op_indices.append(len(self.capture.graph.ops) - 1)
+            group = self.capture.groups.get(stream)
+            if group is not None:
+                group.op_indices.append(len(self.capture.graph.ops) - 1)
             return _deferred_result(op)
         return implementation(arguments)
 
@@ -200,7 +250,15 @@ class NpuRuntime(Launcher):
             self.capture is not None and self.capture.graph is graph,
             "capture_end without a capture of this graph",
         )
-        _expect(self.capture.group is None, "capture ended inside an open task group")
+        _expect(not self.capture.groups, "capture ended inside an open task group")
+        unjoined = self.capture.unjoined()
+        _expect(
+            not unjoined,
+            f"capture ended with stream(s) {[s.name for s in unjoined]} not joined back to the "
+            f"capture stream {self.capture.stream.name} (it must wait for their last work; "
+            "torch_npu's capture_end fails: 'capture model contains a stream that was not "
+            "joined to the original stream')",
+        )
         graph.captured = True
         self.capture = None
 
@@ -208,32 +266,37 @@ class NpuRuntime(Launcher):
         capture = self.capture
         _expect(capture is not None, "graph_task_group_begin outside a capture")
         _expect(
-            stream is capture.stream,
-            f"graph_task_group_begin on stream {stream.name}, "
-            f"not the capture stream {capture.stream.name}",
+            stream in capture.clocks,
+            f"graph_task_group_begin on stream {stream.name}, neither the capture stream "
+            f"{capture.stream.name} nor a stream joined to the capture",
         )
-        _expect(capture.group is None, "graph_task_group_begin inside an open task group")
-        unreset = [e for e, reset in capture.waited.items() if not reset]
+        _expect(
+            self.current_stream is stream,
+            f"graph_task_group_begin on stream {stream.name} while the current stream is "
+            f"{self.current_stream.name} (the group would hold none of the ops issued next)",
+        )
+        _expect(not capture.groups, "graph_task_group_begin inside an open task group")
+        waited = capture.waited.pop(stream, {})
+        unreset = [e for e, reset in waited.items() if not reset]
         _expect(
             not unreset,
             "an ExternalEvent waited in capture must be reset before the "
             "task group (event.wait(s); event.reset(s))",
         )
-        capture.group = TaskGroup(capture.graph, events=list(capture.waited))
-        capture.waited = {}
+        capture.groups[stream] = TaskGroup(capture.graph, events=list(waited))
 
     def group_end(self, stream: StandInStream) -> TaskGroup:
         capture = self.capture
         _expect(
-            capture is not None and capture.group is not None,
+            capture is not None and bool(capture.groups),
             "graph_task_group_end without graph_task_group_begin",
         )
         _expect(
-            stream is capture.stream,
-            f"graph_task_group_end on stream {stream.name}, "
-            f"not the capture stream {capture.stream.name}",
+            stream in capture.groups,
+            f"graph_task_group_end on stream {stream.name}, the group began on "
+            f"{next(iter(capture.groups)).name}",
         )
-        group, capture.group = capture.group, None
+        group = capture.groups.pop(stream)
         _expect(len(group.op_indices) > 0, "a task group with no torch_npu op in it")
         capture.graph.groups.append(group)
         return group
@@ -253,7 +316,7 @@ class NpuRuntime(Launcher):
             "from the capture stream",
         )
         _expect(
-            self.capture is None or self.capture.stream is not stream,
+            self.capture is None or stream not in self.capture.clocks,
             "graph_task_update_begin on a stream that is capturing",
         )
         for replay in self.held_replays():
@@ -286,7 +349,7 @@ class NpuRuntime(Launcher):
         self.update = None
 
     def record_external(self, event: StandInExternalEvent, stream: StandInStream) -> None:
-        if self.capture is not None and stream is self.capture.stream:
+        if self.capture is not None and stream in self.capture.clocks:
             raise NotModeled("ExternalEvent.record inside a capture")
         waited = stream.waits_for
         if waited is not None and not waited.done:
@@ -387,13 +450,21 @@ class StandInStream:
         if replay is not None and not replay.done:
             self.waits_for = replay
 
+    def _join(self, clock: dict[StandInStream, int] | None) -> None:
+        """Waiting for captured work (``clock``) joins this stream to the capture."""
+        capture = self._runtime.capture
+        if capture is not None and clock is not None:
+            capture.join(self, clock)
+
     def wait_event(self, *args: Any, **kwargs: Any) -> None:
         event = self._check("wait_event", args, kwargs)["event"]
         self._wait_for(getattr(event, "after", None))
+        self._join(getattr(event, "clock", None))
 
     def wait_stream(self, *args: Any, **kwargs: Any) -> None:
         other = self._check("wait_stream", args, kwargs)["stream"]
         self._wait_for(self._runtime.last_replay_on(other))
+        self._join(self._runtime.captured_clock(other))
 
     def record_event(self, *args: Any, **kwargs: Any) -> StandInEvent:
         event = self._check("record_event", args, kwargs)["event"]
@@ -420,13 +491,15 @@ class StandInEvent:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("Event", "__call__", args, kwargs)
         self.after: Replay | None = None  # the last replay unfinished when recorded
+        self.clock: dict[StandInStream, int] | None = None  # captured work it marks
 
     def record(self, *args: Any, **kwargs: Any) -> None:
         runtime = self._runtime
         stream = runtime.check_method("Event", "record", args, kwargs)["stream"]
-        self.after = runtime.last_replay_on(
-            stream if stream is not None else runtime.current_stream
-        )
+        stream = stream if stream is not None else runtime.current_stream
+        self.after = runtime.last_replay_on(stream)
+        clock = runtime.captured_clock(stream)
+        self.clock = dict(clock) if clock is not None else None
 
     def wait(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("Event", "wait", args, kwargs)
@@ -459,15 +532,16 @@ class StandInExternalEvent:
     def wait(self, *args: Any, **kwargs: Any) -> None:
         stream = self._stream("wait", args, kwargs)
         capture = self._runtime.capture
-        if capture is not None and stream is capture.stream:
-            capture.waited[self] = False
+        if capture is not None and stream in capture.clocks:
+            capture.waited.setdefault(stream, {})[self] = False
 
     def reset(self, *args: Any, **kwargs: Any) -> None:
         stream = self._stream("reset", args, kwargs)
         capture = self._runtime.capture
-        if capture is not None and stream is capture.stream:
-            _expect(self in capture.waited, "ExternalEvent.reset in capture before its wait")
-            capture.waited[self] = True
+        if capture is not None and stream in capture.clocks:
+            waited = capture.waited.get(stream, {})
+            _expect(self in waited, "ExternalEvent.reset in capture before its wait")
+            waited[self] = True
 
     def record(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.record_external(self, self._stream("record", args, kwargs))
@@ -566,7 +640,7 @@ class StandInNpuNamespace(types.ModuleType):
     def is_current_stream_capturing(self, *args: Any, **kwargs: Any) -> bool:
         self.runtime.check_function("is_current_stream_capturing", args, kwargs)
         capture = self.runtime.capture
-        return capture is not None and capture.stream is self.runtime.current_stream
+        return capture is not None and self.runtime.current_stream in capture.clocks
 
     def graph_task_group_begin(self, *args: Any, **kwargs: Any) -> None:
         stream = self.runtime.check_function("graph_task_group_begin", args, kwargs)["stream"]
