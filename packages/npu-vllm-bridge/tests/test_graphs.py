@@ -326,7 +326,7 @@ def test_decode_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypa
 
     from vllm.config import CompilationConfig
 
-    from npu_vllm_bridge.graphs import wrapper as wrapper_module
+    from npu_vllm_bridge.graphs import counters as counters_module
 
     largest = 4
     config = VllmConfig(
@@ -338,7 +338,7 @@ def test_decode_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypa
         lambda x: x * 2, config, CUDAGraphMode.FULL, num_attention_layers=0, graph_backend="host"
     )
     warnings = []
-    monkeypatch.setattr(wrapper_module.logger, "warning", lambda *args: warnings.append(args))
+    monkeypatch.setattr(counters_module.logger, "warning", lambda *args: warnings.append(args))
     reset_graph_counters()
     graph_counters().serving = True  # as the runner sets it after start-up
     x = torch.ones(3)

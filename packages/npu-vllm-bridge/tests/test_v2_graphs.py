@@ -10,7 +10,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager
+from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager, NpuGraphsCapture
 
 DESC = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=4, num_reqs=4)
 
@@ -59,3 +59,114 @@ def test_replay_without_the_steps_metadata_is_refused() -> None:
     manager = _manager([])
     with pytest.raises(ValueError, match="without the step's attention metadata"):
         manager.run_fullgraph(DESC)
+
+
+PIECEWISE = [
+    BatchExecutionDescriptor(cg_mode=CUDAGraphMode.PIECEWISE, num_tokens=n, num_reqs=None)
+    for n in (16, 8, 4, 1)
+]
+FULL = [
+    BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=n, num_reqs=n)
+    for n in (8, 4, 2)
+]
+
+
+class _Backend:
+    """Host-graph accounting stand-in: each captured graph keeps ``3 + 10 * num_tokens``
+    bytes of its own; the shared pool is the largest graph's ``100 * num_tokens``."""
+
+    name = "stand-in"
+
+    def __init__(self) -> None:
+        self.own, self.pool = 0, 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def capture(self, num_tokens: int) -> None:
+        self.own += 3 + 10 * num_tokens
+        self.pool = max(self.pool, 100 * num_tokens)
+
+    def memory_breakdown(self) -> tuple[int, int]:
+        return self.own, self.pool
+
+    def memory_in_use(self) -> int:
+        return self.own + self.pool
+
+
+def _capturing_manager(monkeypatch, dispatched: BatchExecutionDescriptor, lazy: bool):
+    """A manager with vLLM's plan (``PIECEWISE`` and ``FULL``), whose captures go to a
+    ``_Backend`` and are logged, and whose vLLM dispatch returns ``dispatched``; the
+    tests call its descriptor capture loop (``NpuGraphsCapture.capture``) directly."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    from npu_vllm_bridge.graphs.counters import reset_graph_counters
+
+    reset_graph_counters()
+    captured: list = []
+    backend = _Backend()
+    manager = BridgeModelGraphManager.__new__(BridgeModelGraphManager)
+    manager.wrapper = SimpleNamespace(backend=backend)
+    manager.capture_on_first_use = lazy
+    manager._capture_descs = {CUDAGraphMode.PIECEWISE: PIECEWISE, CUDAGraphMode.FULL: FULL}
+    manager._capture_mem_samples = None
+    manager._graphs_captured = False
+    manager.graphs = {}
+    manager.vllm_config = SimpleNamespace(
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=16)
+    )
+
+    def capture_one(create_forward_fn, desc) -> None:
+        captured.append((create_forward_fn, desc))
+        backend.capture(desc.num_tokens)
+        if desc.cg_mode == CUDAGraphMode.FULL:
+            manager.graphs[desc] = object()
+
+    manager._capture_one = capture_one
+    monkeypatch.setattr(CudaGraphManager, "dispatch", lambda self, *args, **kwargs: dispatched)
+    return manager, captured
+
+
+def test_capture_on_first_use_captures_a_full_graph_when_first_dispatched(monkeypatch) -> None:
+    from npu_vllm_bridge.graphs.counters import graph_counters
+
+    desc = FULL[1]
+    manager, captured = _capturing_manager(monkeypatch, desc, lazy=True)
+    create_forward_fn = object()
+    NpuGraphsCapture.capture(manager, create_forward_fn)
+    assert captured == [] and manager._graphs_captured  # nothing at start-up
+    for _ in range(3):
+        assert manager.dispatch(4, 4, 1, 0) is desc
+    assert captured == [(create_forward_fn, desc)]  # once, with vLLM's capture inputs
+    assert graph_counters().eager_steps == 0
+
+
+def test_start_up_capture_takes_every_descriptor(monkeypatch) -> None:
+    manager, captured = _capturing_manager(monkeypatch, FULL[0], lazy=False)
+    NpuGraphsCapture.capture(manager, object())
+    assert [desc for _, desc in captured] == PIECEWISE + FULL
+    manager.dispatch(8, 8, 1, 0)
+    assert len(captured) == len(PIECEWISE + FULL)  # nothing more at the first step
+
+
+def test_steps_without_graphs_are_counted_and_large_decodes_are_off_the_grid(monkeypatch) -> None:
+    from npu_vllm_bridge.graphs.counters import graph_counters
+
+    eager = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=32, num_reqs=32)
+    manager, _ = _capturing_manager(monkeypatch, eager, lazy=True)
+    NpuGraphsCapture.capture(manager, object())
+    manager.dispatch(32, 32, 1, 0)  # a decode larger than the largest graph (16)
+    manager.dispatch(2, 32, None, 0)  # a prefill that large runs eagerly by design
+    counters = graph_counters()
+    assert (counters.eager_steps, counters.off_grid_steps) == (2, 1), counters
+
+
+def test_memory_profile_captures_a_sample_and_estimates_every_graph(monkeypatch) -> None:
+    manager, captured = _capturing_manager(monkeypatch, FULL[0], lazy=True)
+    manager._capture_mem_samples = []  # vLLM's memory profiling
+    NpuGraphsCapture.capture(manager, object())
+    sampled = [desc.num_tokens for _, desc in captured]
+    assert sampled == [16, 1, 8, 2]  # the largest and smallest of each mode
+    every_graph = sum(3 + 10 * desc.num_tokens for desc in PIECEWISE + FULL)
+    assert manager.profiled_bytes == every_graph + 100 * 16  # own bytes fit exactly, one pool
+    assert manager._capture_mem_samples == []  # vLLM's FULL extrapolation gets nothing to add

@@ -3,7 +3,12 @@ micro-batched (DBO) steps ran."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm.{__name__}")
 
 
 @dataclass
@@ -99,6 +104,28 @@ _COUNTERS = GraphCounters()
 def graph_counters() -> GraphCounters:
     """The live counters of this process."""
     return _COUNTERS
+
+
+def count_eager_step(
+    num_tokens: int | None, largest: int | None, is_decode: Callable[[], bool]
+) -> None:
+    """Count a model forward that ran without graphs; count a decode step larger than
+    the largest graph size (``is_decode`` is asked only for those) as off the grid and
+    log the first one after start-up (a prefill that large runs eagerly by design)."""
+    counters = graph_counters()
+    counters.eager_steps += 1
+    if num_tokens is None or largest is None or num_tokens <= largest or not is_decode():
+        return
+    counters.off_grid_steps += 1
+    if counters.serving and counters.off_grid_steps == 1:
+        logger.warning(
+            "A decode step of %d tokens ran without graphs: the largest graph is for %d "
+            "tokens; raise max_cudagraph_capture_size (or cudagraph_capture_sizes) to "
+            "cover max_num_seqs x (1 + num_speculative_tokens). Further such steps are "
+            "counted in graph_counters().off_grid_steps, not logged.",
+            num_tokens,
+            largest,
+        )
 
 
 def reset_graph_counters() -> None:

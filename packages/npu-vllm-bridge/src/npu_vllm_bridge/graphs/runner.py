@@ -24,6 +24,7 @@ from npu_graphs import GraphBackend, capture_all, get_backend
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.draft_graphs import DraftGraphs, install_draft_graphs
+from npu_vllm_bridge.graphs.memory_estimate import fit_own_bytes, sample_descs
 from npu_vllm_bridge.graphs.ubatch_config import micro_batching_hidden
 from npu_vllm_bridge.graphs.ubatch_wrapper import BridgeUBatchWrapper
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name, live_wrappers
@@ -217,7 +218,7 @@ class GraphRunnerMixin:
     ) -> int:
         """Sum over ``descs`` of each graph's own bytes, fit on the largest and smallest."""
         samples = []
-        for desc in {descs[0].num_tokens: descs[0], descs[-1].num_tokens: descs[-1]}.values():
+        for desc in sample_descs(descs):
             before, _ = backend.memory_breakdown()
             self._warmup_and_capture(  # type: ignore[attr-defined]
                 desc,
@@ -226,6 +227,4 @@ class GraphRunnerMixin:
             )
             after, _ = backend.memory_breakdown()
             samples.append((desc.num_tokens, after - before))
-        (n_big, m_big), (n_small, m_small) = samples[0], samples[-1]
-        slope = (m_big - m_small) / (n_big - n_small) if n_big != n_small else 0.0
-        return int(sum(m_small + slope * (d.num_tokens - n_small) for d in descs))
+        return fit_own_bytes(samples, [desc.num_tokens for desc in descs])

@@ -4,27 +4,39 @@ V2 captures and replays its FULL graphs itself (``vllm/v1/worker/gpu/cudagraph_u
 ``CudaGraphManager.capture`` hard-codes ``torch.cuda.CUDAGraph``, and ``run_fullgraph``
 replays with no forward context, so nothing around the model sees the step's attention
 metadata. :class:`BridgeModelGraphManager` keeps everything else of vLLM's manager (the
-batch descriptors to capture and their dispatch, the capture inputs, the persistent
-output buffers) and replaces those two methods:
+batch descriptors to capture, the capture inputs, the persistent output buffers) and
+replaces ``capture``, ``dispatch`` and ``run_fullgraph``:
 
 * ``capture``: per descriptor, vLLM's warm-up forward, then the FULL forward captured by
   an npu-graphs ``GraphWrapper`` keyed by the descriptor, the attention ops recorded as
   tasks named after their layers (``attention/tasks.py``). PIECEWISE descriptors run
   vLLM's compiled model, whose pieces the platform's ``BridgeGraphWrapper`` captures.
+  With ``capture_on_first_use`` (host mode) nothing is captured at start-up: a FULL
+  descriptor is captured when ``dispatch`` first picks it, before the step prepares its
+  inputs (the capture's dummy inputs go through the same persistent buffers, which the
+  step then fills), and PIECEWISE pieces capture themselves at their first step. Under
+  vLLM's memory profiling, the largest and smallest descriptor of each mode are
+  captured and the rest estimated from them (``memory_estimate.py``).
+* ``dispatch``: vLLM's; steps that run without graphs are counted, a decode step larger
+  than the largest graph logged once.
 * ``run_fullgraph(desc)``: the step's ``{layer_name: attn_metadata}`` (left by the model
   runner in :attr:`BridgeModelGraphManager.step_attn_metadata`, from the model state's
-  ``prepare_attn``) updates the tasks, then the graph replays.
+  ``prepare_attn``) updates the tasks around the replay, in the order the graph backend
+  takes (``updates_follow_replay``).
 
-The model runner installs the class where vLLM builds its manager (see
-``worker/host_v2.py``).
+The model runners install the class where vLLM builds its manager (see
+``graphs/v2_runner.py``).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import torch
 from vllm.compilation.counter import compilation_counter
 from vllm.config import CUDAGraphMode
+from vllm.logger import init_logger
 from vllm.v1.worker.gpu.cudagraph_utils import (
     BatchExecutionDescriptor,
     CreateForwardFn,
@@ -41,8 +53,12 @@ from npu_graphs import (
     graph_dispatch,
 )
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
-from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.counters import count_eager_step, graph_counters
+from npu_vllm_bridge.graphs.memory_estimate import fit_own_bytes, sample_descs
 from npu_vllm_bridge.graphs.wrapper import graph_backend_name, per_layer_metadata
+from npu_vllm_bridge.settings import current_settings
+
+logger = init_logger(f"vllm.{__name__}")
 
 
 class NpuGraphsCapture(CudaGraphManager):
@@ -55,27 +71,57 @@ class NpuGraphsCapture(CudaGraphManager):
     wrapper: GraphWrapper | None = None  # vLLM's ``graphs`` maps descriptors to its entries
     tasks: TaskRegistry | None = None
     step_attn_metadata: dict[str, Any] | None = None
+    capture_on_first_use: bool = False
+    profiled_bytes: int = 0  # the estimate of vLLM's memory profiling capture
+    _create_forward_fn: CreateForwardFn | None = None
 
     def capture(
         self, create_forward_fn: CreateForwardFn, progress_bar_desc: str = "Capturing graphs"
     ) -> None:
         """Capture every descriptor of vLLM's plan, PIECEWISE first, then FULL (largest
-        first in each); under vLLM's memory profiling, only its sample of FULL graphs,
-        each one's bytes appended to its samples."""
+        first in each); with ``capture_on_first_use``, none (``dispatch`` captures them);
+        under vLLM's memory profiling, a sample (:attr:`profiled_bytes` gets the
+        estimate of all)."""
         if self.wrapper is None:
             raise ValueError("capture(create_forward_fn) before the model's capture set up graphs")
+        self._create_forward_fn = create_forward_fn
+        if self._capture_mem_samples is not None:
+            self.profiled_bytes = self._profile(create_forward_fn)
+        elif self.capture_on_first_use:
+            logger.info(
+                "The model's %d graph keys are captured at their first step (capture_on_first_use)",
+                sum(len(descs) for descs in self._capture_descs.values()),
+            )
+        else:
+            backend = self.wrapper.backend
+            for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+                capture_all(
+                    self._capture_descs.get(mode, []),
+                    lambda desc: self._capture_one(create_forward_fn, desc),
+                    backend=backend,
+                    desc=f"{progress_bar_desc} ({backend.name}, {mode.name})",
+                )
+        self._graphs_captured = True
+
+    def _profile(self, create_forward_fn: CreateForwardFn) -> int:
+        """Capture the largest and smallest descriptor of each mode; return the bytes
+        all of them would hold (each graph's own, fit on the samples, plus the pool)."""
         backend = self.wrapper.backend
+        own_total = 0
+        _, pool_before = backend.memory_breakdown()
         for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
             descs = self._capture_descs.get(mode, [])
-            if mode == CUDAGraphMode.FULL and self._max_full_descs_to_capture is not None:
-                descs = descs[: self._max_full_descs_to_capture]
-            capture_all(
-                descs,
-                lambda desc: self._capture_one(create_forward_fn, desc),
-                backend=backend,
-                desc=f"{progress_bar_desc} ({backend.name}, {mode.name})",
-            )
-        self._graphs_captured = True
+            if not descs:
+                continue
+            samples = []
+            for desc in sample_descs(descs):
+                before, _ = backend.memory_breakdown()
+                self._capture_one(create_forward_fn, desc)
+                after, _ = backend.memory_breakdown()
+                samples.append((desc.num_tokens, after - before))
+            own_total += fit_own_bytes(samples, [desc.num_tokens for desc in descs])
+        _, pool_after = backend.memory_breakdown()
+        return own_total + max(pool_after - pool_before, 0)
 
     def _capture_one(self, create_forward_fn: CreateForwardFn, desc: Any) -> None:
         warmup = create_forward_fn(desc, warmup=True)
@@ -84,14 +130,45 @@ class NpuGraphsCapture(CudaGraphManager):
             warmup(CUDAGraphMode.PIECEWISE)  # the compiled model's pieces capture themselves
             return
         forward_fn = create_forward_fn(desc, warmup=False)
-        before = self.wrapper.backend.memory_in_use()
         with graph_dispatch(RuntimeMode.FULL, desc):
             self.wrapper(forward_fn)
-        if self._capture_mem_samples is not None:
-            self._capture_mem_samples.append(self.wrapper.backend.memory_in_use() - before)
         self.graphs[desc] = self.wrapper.entry(desc)
         compilation_counter.num_cudagraph_captured += 1
         graph_counters().captured += 1
+
+    def dispatch(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        uniform_token_count: int | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> BatchExecutionDescriptor:
+        """vLLM's descriptor for the step (``CudaGraphManager.dispatch``'s arguments); a
+        FULL one not captured yet is captured now (``capture_on_first_use``); a step
+        without graphs is counted."""
+        desc = super().dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+        if not self._graphs_captured:
+            return desc
+        if desc.cg_mode == CUDAGraphMode.FULL and desc not in self.graphs:
+            self._capture_at_first_use(desc)
+        elif desc.cg_mode == CUDAGraphMode.NONE:
+            count_eager_step(
+                num_tokens,
+                self.vllm_config.compilation_config.max_cudagraph_capture_size,
+                lambda: uniform_token_count is not None,
+            )
+        return desc
+
+    def _capture_at_first_use(self, desc: BatchExecutionDescriptor) -> None:
+        if self._create_forward_fn is None:
+            raise ValueError(f"FULL graph {desc} dispatched before the model's capture")
+        counters = graph_counters()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self._capture_one(self._create_forward_fn, desc)
+        counters.capture_seconds += time.perf_counter() - start
+        counters.capture_bytes = self.wrapper.backend.memory_in_use()
 
     def run_fullgraph(self, desc: BatchExecutionDescriptor) -> None:
         """Replay ``desc``'s graph with its attention tasks brought to the step's
@@ -136,6 +213,7 @@ class BridgeModelGraphManager(ModelCudaGraphManager, NpuGraphsCapture):
         self.tasks = TaskRegistry(
             "attention", expected_tasks=count_attention_tasks(self.vllm_config, model)
         )
+        self.capture_on_first_use = current_settings().capture_on_first_use
         self.wrapper = GraphWrapper(
             _run_forward,
             backend=get_backend(graph_backend_name()),

@@ -21,14 +21,11 @@ from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
-from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
 
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, get_backend, graph_dispatch
-from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.counters import count_eager_step, graph_counters
 from npu_vllm_bridge.settings import current_settings
-
-logger = init_logger(f"vllm.{__name__}")
 
 _RUNTIME_MODES = {
     CUDAGraphMode.FULL: RuntimeMode.FULL,
@@ -156,26 +153,11 @@ class BridgeGraphWrapper:
         return outputs
 
     def _count_eager_step(self, key: Any, attn_metadata: Any) -> None:
-        """Count a step that ran without graphs; warn once for a decode step larger than
-        the largest graph (a prefill that large runs eagerly by design)."""
-        counters = graph_counters()
-        counters.eager_steps += 1
-        num_tokens = getattr(key, "num_tokens", None)
-        largest = self.vllm_config.compilation_config.max_cudagraph_capture_size
-        if num_tokens is None or largest is None or num_tokens <= largest:
-            return
-        if not is_decode_step(attn_metadata):
-            return
-        counters.off_grid_steps += 1
-        if counters.serving and counters.off_grid_steps == 1:
-            logger.warning(
-                "A decode step of %d tokens ran without graphs: the largest graph is for %d "
-                "tokens; raise max_cudagraph_capture_size (or cudagraph_capture_sizes) to "
-                "cover max_num_seqs x (1 + num_speculative_tokens). Further such steps are "
-                "counted in graph_counters().off_grid_steps, not logged.",
-                num_tokens,
-                largest,
-            )
+        count_eager_step(
+            getattr(key, "num_tokens", None),
+            self.vllm_config.compilation_config.max_cudagraph_capture_size,
+            lambda: is_decode_step(attn_metadata),
+        )
 
     def _before_replay(self, key: Any, attn_metadata: Any) -> None:
         counters = graph_counters()

@@ -41,8 +41,9 @@ class HostModelRunnerV2(GraphManagerHook, CPUModelRunnerV2):
 
     def capture_model(self, *, profile_only: bool = False) -> int:
         """vLLM's V2 capture; returns the bytes the graphs took by the graph backend's
-        own accounting (vLLM measures device memory). Graphs captured to profile
-        memory are not counted in the bridge's counters (vLLM drops them)."""
+        own accounting (vLLM measures device memory), or under memory profiling the
+        manager's estimate for all of them. Graphs captured to profile memory are not
+        counted in the bridge's counters (vLLM drops them)."""
         backend = get_backend(graph_backend_name())
         counters = graph_counters()
         captured, before, start = counters.captured, backend.memory_in_use(), time.perf_counter()
@@ -54,9 +55,11 @@ class HostModelRunnerV2(GraphManagerHook, CPUModelRunnerV2):
         held = backend.memory_in_use() - before
         if profile_only:
             counters.captured = captured
-            return held
+            manager = self.cudagraph_manager
+            return getattr(manager, "profiled_bytes", held)
         counters.capture_bytes += held
         counters.capture_seconds += time.perf_counter() - start
+        counters.eager_steps = counters.off_grid_steps = 0  # warm-up forwards are not steps
         counters.serving = True
         return held
 
