@@ -50,6 +50,7 @@ def _bridge_counters(worker=None) -> dict:
     return {
         "counters": graph_counters().as_dict(),
         "vllm_cudagraph_captured": compilation_counter.num_cudagraph_captured,
+        "model_runner": worker and type(worker.model_runner).__name__,
         # The OpenMP binding vLLM gave this process (set only in CPU worker processes).
         "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "GOMP_"))},
     }

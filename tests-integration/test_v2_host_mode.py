@@ -16,8 +16,12 @@ from pathlib import Path
 
 import engines
 import pytest
+import test_mla
+import test_tensor_parallel
 from engines import REAL_MODEL_ENGINE, run_engine
+from test_mla import mla_model  # noqa: F401  (fixture)
 from test_smollm2_chat import GRAPH_MODES
+from test_tensor_parallel import tp_model  # noqa: F401  (fixture)
 
 V2_RUNNER = Path(__file__).with_name("v2_runner.py")
 
@@ -57,3 +61,42 @@ def test_full_replays_without_task_update_answer_differently(
     )  # fmt: skip
     assert result["skipped_task_updates"] > 0, result
     assert result["tokens"][0] != hf[:4], "replays with stale plans gave the right answers"
+
+
+@pytest.mark.parametrize("mode", ["eager", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_mla_equals_transformers(v2, mla_model, tmp_path, mode):  # noqa: F811
+    """The tiny DeepSeek-V3-shaped model (test_mla.py's prompts: chunked prefill, a
+    prefix-cache hit) on V2 in each graph mode."""
+    model, hf = mla_model
+    options = dict(test_mla.EAGER)
+    if mode != "eager":
+        compilation = {"cudagraph_mode": mode, "cudagraph_capture_sizes": test_mla.CAPTURE_SIZES}
+        if mode == "FULL_AND_PIECEWISE":
+            compilation["mode"] = "VLLM_COMPILE"
+        options = dict(compilation_config=compilation)
+    result = run_engine(
+        model, test_mla.ROUNDS, bridge=True, tmp_path=tmp_path, **test_mla.ENGINE, **options
+    )
+    assert result.get("model_runners") == ["HostModelRunnerV2"], result.get("error", result)
+    test_mla._check(result, hf)
+    counters = result["counters"]
+    if mode != "eager":
+        assert counters["task_updates"] == counters["replayed_steps"] > 0, counters
+
+
+def test_tensor_parallel_equals_transformers(v2, tp_model, tmp_path):  # noqa: F811
+    """Two ranks over gloo on V2 with FULL_DECODE_ONLY graphs."""
+    model, hf = tp_model
+    prompts, max_tokens = test_tensor_parallel.PROMPTS, test_tensor_parallel.MAX_TOKENS
+    rounds = [[{"prompt": p, "max_tokens": m} for p, m in zip(prompts, max_tokens)]]
+    result = run_engine(
+        model, rounds, bridge=True, tmp_path=tmp_path, unset_env=("VLLM_CPU_OMP_THREADS_BIND",),
+        tensor_parallel_size=2, **test_tensor_parallel.TWO_RANK_ENGINE,
+        **test_tensor_parallel.GRAPH_MODES["FULL_DECODE_ONLY"],
+    )  # fmt: skip
+    assert "error" not in result, result["error"]
+    ranks = result["rank_counters"]
+    assert [rank["model_runner"] for rank in ranks] == ["HostModelRunnerV2"] * 2, ranks
+    for rank in ranks:
+        assert rank["counters"]["task_updates"] == rank["counters"]["replayed_steps"] > 0, rank
+    assert result["tokens"] == [hf]

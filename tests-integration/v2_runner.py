@@ -37,7 +37,7 @@ def main() -> None:
     counters = engine_runner._bridge_counters
 
     def counters_and_runners(worker=None) -> dict:
-        return {**counters(), "model_runners": built, "skipped_task_updates": len(skipped)}
+        return {**counters(worker), "model_runners": built, "skipped_task_updates": len(skipped)}
 
     engine_runner._bridge_counters = counters_and_runners
     engine_runner.main()
