@@ -29,6 +29,8 @@ from npu_vllm_bridge.graphs.ubatch_wrapper import (
     BridgeUBatchWrapper,
     current_micro_batch,
     micro_batch_collective,
+    micro_batch_id,
+    vllm_ubatch_wrapper_bypassed,
 )
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 128
@@ -207,10 +209,38 @@ def test_the_platform_holds_micro_batching_and_the_worker_restores_it():
     assert ubatch_config.restore_micro_batching(config)
     assert parallel.use_ubatching and parallel.num_ubatches == 2
     assert parallel.dbo_decode_token_threshold == 4
-    with ubatch_config.micro_batching_hidden(parallel):
-        assert not parallel.use_ubatching
-    assert parallel.enable_dbo
     assert not ubatch_config.restore_micro_batching(VllmConfig())
+
+
+def test_vllm_modules_read_the_micro_batch_threads_ids():
+    """What vLLM keeps per micro-batch (shared-expert outputs) it indexes by
+    ``dbo_current_ubatch_id``: inside the bridge's micro-batches, their index."""
+    from vllm.model_executor.layers.fused_moe.runner import shared_experts
+
+    setup = _Setup(full_graphs=False, seed=25)
+    assert shared_experts.dbo_current_ubatch_id is micro_batch_id
+    seen = []
+    model = setup.model
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        seen.append(shared_experts.dbo_current_ubatch_id())
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    _, halves, slices = setup.step(STEPS[0])
+    setup.run(halves, slices)
+    assert sorted(seen) == [0, 1] and micro_batch_id() == 0
+
+
+def test_vllm_gpu_runner_leaves_the_model_unwrapped_for_the_bridge():
+    import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+
+    model = torch.nn.Linear(2, 2)
+    with vllm_ubatch_wrapper_bypassed():
+        wrapped = gpu_model_runner.UBatchWrapper(model, VllmConfig(), CUDAGraphMode.FULL, None)
+        assert wrapped is model and not isinstance(model, gpu_model_runner.UBatchWrapper)
+    assert gpu_model_runner.UBatchWrapper.__name__ == "UBatchWrapper"
 
 
 def test_micro_batching_refuses_what_it_does_not_run(monkeypatch):

@@ -25,8 +25,10 @@ from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.draft_graphs import DraftGraphs, install_draft_graphs
 from npu_vllm_bridge.graphs.memory_estimate import fit_own_bytes, sample_descs
-from npu_vllm_bridge.graphs.ubatch_config import micro_batching_hidden
-from npu_vllm_bridge.graphs.ubatch_wrapper import BridgeUBatchWrapper
+from npu_vllm_bridge.graphs.ubatch_wrapper import (
+    BridgeUBatchWrapper,
+    vllm_ubatch_wrapper_bypassed,
+)
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name, live_wrappers
 from npu_vllm_bridge.settings import current_settings
 
@@ -47,7 +49,7 @@ class GraphRunnerMixin:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         # vLLM's GPU runner would wrap the model in its CUDA UBatchWrapper itself.
-        with micro_batching_hidden(self.parallel_config):
+        with vllm_ubatch_wrapper_bypassed():
             super().load_model(*args, **kwargs)  # type: ignore[misc]
         full = self.compilation_config.cudagraph_mode.has_full_cudagraphs()
         if self.parallel_config.use_ubatching:

@@ -18,9 +18,7 @@ as on CUDA. The thresholds (``dbo_decode_token_threshold``,
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
@@ -81,18 +79,6 @@ def restore_micro_batching(vllm_config: VllmConfig) -> bool:
     parallel = vllm_config.parallel_config
     parallel.enable_dbo, parallel.ubatch_size = held["enable_dbo"], held["ubatch_size"]
     return True
-
-
-@contextlib.contextmanager
-def micro_batching_hidden(parallel_config: Any) -> Iterator[None]:
-    """Micro-batching switched off for the enclosed block: vLLM's GPU model runner wraps
-    the model in its CUDA ``UBatchWrapper`` when it sees it at ``load_model``."""
-    saved = parallel_config.enable_dbo, parallel_config.ubatch_size
-    parallel_config.enable_dbo, parallel_config.ubatch_size = False, 0
-    try:
-        yield
-    finally:
-        parallel_config.enable_dbo, parallel_config.ubatch_size = saved
 
 
 def refuse_micro_batching_options(vllm_config: VllmConfig) -> None:

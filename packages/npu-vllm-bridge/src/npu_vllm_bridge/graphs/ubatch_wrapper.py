@@ -26,12 +26,17 @@ takes its place on npu-graphs' ``MicroBatchRunner``:
 
 vLLM's own hand-over points (``dbo_yield`` in the MoE kernels' asynchronous
 prepare/finalize, DeepEP's and NIXL's) are not used: the MoE kernels the bridge runs
-under data parallelism gather and reduce-scatter through the communicator.
+under data parallelism gather and reduce-scatter through the communicator. What vLLM
+keeps per micro-batch (a MoE layer's shared-expert output, held across the combine;
+workspaces) it indexes by ``dbo_current_ubatch_id()``, which reads vLLM's own
+micro-batch threads: :func:`install_micro_batch_ids` points the vLLM modules that
+imported it at :func:`micro_batch_id`, this wrapper's micro-batch index.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -120,6 +125,57 @@ def current_micro_batch() -> MicroBatchContext | None:
     return running.ctx if running is not None else None
 
 
+def micro_batch_id() -> int:
+    """vLLM's ``dbo_current_ubatch_id`` for the bridge's micro-batch threads: the index
+    of the micro-batch this thread runs; elsewhere what vLLM's own answers."""
+    running = getattr(_THREAD, "running", None)
+    if running is not None:
+        return running.ctx.index
+    from vllm.v1.worker import ubatching
+
+    return ubatching.dbo_current_ubatch_id()
+
+
+def install_micro_batch_ids() -> list[str]:
+    """Point every loaded vLLM module that imported ``dbo_current_ubatch_id`` by name at
+    :func:`micro_batch_id`; returns their names. Call after the model is loaded."""
+    from vllm.v1.worker import ubatching
+
+    original = ubatching.dbo_current_ubatch_id
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if module is ubatching or not name.startswith("vllm."):
+            continue
+        if getattr(module, "dbo_current_ubatch_id", None) is original:
+            module.dbo_current_ubatch_id = micro_batch_id
+            patched.append(name)
+    return patched
+
+
+class _VllmUBatchWrapperBypassed:
+    """Stands in for vLLM's ``UBatchWrapper`` while vLLM's GPU runner loads the model:
+    "wrapping" hands the model back (the bridge wraps it after)."""
+
+    def __new__(cls, runnable: Any, *args: Any, **kwargs: Any) -> Any:
+        return runnable
+
+
+@contextlib.contextmanager
+def vllm_ubatch_wrapper_bypassed() -> Iterator[None]:
+    """vLLM's GPU model runner's ``load_model`` wraps the model in its CUDA
+    ``UBatchWrapper`` (CUDA streams, SM control) when micro-batching is on; inside this
+    block it leaves the model as it is. Micro-batching stays visible to the model's
+    layers (a MoE layer keeps its shared-expert outputs per micro-batch)."""
+    import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+
+    saved = gpu_model_runner.UBatchWrapper
+    gpu_model_runner.UBatchWrapper = _VllmUBatchWrapperBypassed
+    try:
+        yield
+    finally:
+        gpu_model_runner.UBatchWrapper = saved
+
+
 @contextlib.contextmanager
 def micro_batch_collective() -> Iterator[None]:
     """Around a collective of the MoE dispatch or combine. Inside a micro-batch, the
@@ -182,6 +238,8 @@ class BridgeUBatchWrapper:
         self.capture_on_first_use = current_settings().capture_on_first_use
         self._step: _SplitStep | None = None
         track_wrapper(self)
+        patched = install_micro_batch_ids()
+        logger.debug("vLLM modules reading the bridge's micro-batch ids: %s", patched)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not is_forward_context_available():
