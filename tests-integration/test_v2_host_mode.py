@@ -20,6 +20,7 @@ import test_mla
 import test_tensor_parallel
 from engines import REAL_MODEL_ENGINE, run_engine
 from test_mla import mla_model  # noqa: F401  (fixture)
+from test_refusals import _refusal
 from test_smollm2_chat import GRAPH_MODES
 from test_tensor_parallel import tp_model  # noqa: F401  (fixture)
 
@@ -100,3 +101,13 @@ def test_tensor_parallel_equals_transformers(v2, tp_model, tmp_path):  # noqa: F
     for rank in ranks:
         assert rank["counters"]["task_updates"] == rank["counters"]["replayed_steps"] > 0, rank
     assert result["tokens"] == [hf]
+
+
+def test_prefill_context_parallel_is_refused_with_its_reason(v2, mla_model, tmp_path):  # noqa: F811
+    """PCP=2 on the MLA model, where vLLM 0.32 runs it (V2): the bridge's plans have no
+    row positions for a rank's two chunks, so the engine refuses at start-up, naming why
+    (run with the refusal lifted it answered other tokens than PCP=1 and transformers)."""
+    model, _ = mla_model
+    error = _refusal(model, tmp_path, prefill_context_parallel_size=2, enforce_eager=True)
+    assert "prefill_context_parallel_size=2; expected 1" in error, error
+    assert "two chunks of the sequence" in error, error

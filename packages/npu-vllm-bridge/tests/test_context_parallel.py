@@ -292,7 +292,7 @@ def test_context_parallel_checks_refuse_mla_dcp_on_a_provider_without_lse(monkey
         (
             dict(pcp=2),
             r"prefill context parallelism \(prefill_context_parallel_size=2; expected 1\): "
-            r"vLLM 0.32 runs it only in its V2 model runner",
+            r"a rank's prefill rows are two chunks of the sequence",
         ),
         (dict(pcp=2, dcp=2), "prefill_context_parallel_size=2"),
         (

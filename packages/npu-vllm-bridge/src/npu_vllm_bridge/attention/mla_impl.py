@@ -50,6 +50,7 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
     # shard the latent cache over its DCP group (mla_context_parallel.py).
     can_return_lse_for_decode: bool = True
     supports_dcp: bool = True
+    supports_pcp: bool = False  # query rows are the last positions of their sequence
 
     def __init__(self, **layer_args: Any) -> None:
         """vLLM's ``MLAAttention`` passes the impl's arguments by keyword: those of

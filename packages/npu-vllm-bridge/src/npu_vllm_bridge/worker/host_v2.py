@@ -38,6 +38,9 @@ class HostModelRunnerV2(GraphManagerHook, CPUModelRunnerV2):
         tables = self.block_tables
         register_pointer_tensors([table.gpu for table in tables.block_tables])
         register_pointer_tensors(tables.input_block_tables)
+        pcp_tables = getattr(self.pcp_manager, "_local_block_tables", None)
+        if pcp_tables is not None:  # prefill context parallel: each rank's local rows
+            register_pointer_tensors(pcp_tables)
 
     def capture_model(self, *, profile_only: bool = False) -> int:
         """vLLM's V2 capture; returns the bytes the graphs took by the graph backend's
