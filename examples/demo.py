@@ -87,6 +87,8 @@ def print_graph_counters(enforce_eager: bool) -> None:
         f"updates), {c.piecewise_steps} replayed PIECEWISE graphs ({c.replayed_pieces} pieces), "
         f"{c.eager_steps} ran eagerly."
     )
+    if c.split_steps:  # micro-batch overlap (--enable-dbo on a data-parallel MoE model)
+        print(c.describe_micro_batching())
 
 
 def main() -> None:

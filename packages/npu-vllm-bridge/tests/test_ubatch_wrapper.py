@@ -141,6 +141,7 @@ def test_eager_split_equals_the_whole_step_and_hands_over_at_each_collective():
     # Each micro-batch hands over after each of its collectives (2 x 2).
     assert counters.split_yields == 4
     assert counters.as_dict()["yields_per_split_forward"] == 4
+    assert "1 split (1 decode, 0 with a prefill)" in counters.describe_micro_batching()
 
 
 def test_one_graph_of_both_micro_batches_replays_each_with_its_own_plan():
