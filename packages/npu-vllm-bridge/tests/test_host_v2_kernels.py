@@ -110,3 +110,43 @@ def test_a_pointer_no_tensor_was_registered_for_is_refused() -> None:
             torch.tensor([stray.data_ptr()], dtype=torch.uint64),
             torch.tensor([3]), torch.ones(1, 2, dtype=torch.int32), 2, 1,
         )  # fmt: skip
+
+
+def test_update_draft_inputs_replays_with_each_replays_draft_step() -> None:
+    """Captured once in a host graph (as V2's drafter graphs capture it), the draft-step
+    update reads the step from its tensor at every replay: step 0 of 3 then 1 feed
+    the next step; the last stores only the token. Expected values written by hand."""
+    from npu_graphs import get_backend
+
+    steps, max_model_len = 3, 12
+    out = torch.full((3, steps), -1, dtype=torch.int64)
+    next_hidden = torch.zeros(4, 2)
+    input_ids = torch.zeros(4, dtype=torch.int32)
+    positions = torch.tensor([5, 11, 0, 0])
+    sample_positions = torch.tensor([6, 12, 0])
+    seq_lens = torch.tensor([6, 12, 0], dtype=torch.int32)
+    tokens = torch.tensor([40, 41])
+    step = torch.tensor(0)
+    hidden = torch.tensor([[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]])
+
+    def update() -> None:
+        host_v2_kernels._update_draft_inputs(
+            out, steps, next_hidden, 2, input_ids, positions, sample_positions, seq_lens,
+            tokens, step, hidden, 2, 2, max_model_len, steps,
+        )  # fmt: skip
+
+    backend = get_backend("host")
+    graph = backend.new_graph()
+    with backend.capture(graph):
+        update()  # step 0, run once by the capture
+    for value in (1, 2):
+        step.fill_(value)
+        tokens.add_(10)
+        hidden.mul_(2)
+        backend.replay(graph)
+    assert out.tolist() == [[40, 50, 60], [41, 51, 61], [-1, -1, -1]]
+    assert input_ids.tolist() == [50, 51, 0, 0]  # the last step feeds nothing
+    assert next_hidden.tolist() == [[2.0, 4.0], [6.0, 8.0], [0.0, 0.0], [0.0, 0.0]]
+    assert positions.tolist() == [7, 11, 0, 0]  # capped at max_model_len - 1
+    assert sample_positions.tolist() == [8, 14, 0]
+    assert seq_lens.tolist() == [8, 12, 0]  # capped at max_model_len

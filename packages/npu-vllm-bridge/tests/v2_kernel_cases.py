@@ -199,10 +199,55 @@ def gumbel_drafting():
     return _gumbel_case([0.8, 1.1, 0.5], drafting=True)
 
 
+def _update_draft_inputs_case(step: int, *, advance: bool = True):
+    """Three requests of an EAGLE / MTP draft step ``step`` of three (the last is 2);
+    buffers larger than the batch, the model length capping one request."""
+    num_reqs, hidden, steps, max_model_len = 3, 40, 3, 64
+    output_draft_tokens = torch.full((5, steps), -1, dtype=torch.int64)
+    next_hidden = torch.zeros(8, hidden)
+    input_ids = torch.full((8,), 7, dtype=torch.int32)
+    positions = torch.tensor([10, 63, 5, 9, 9, 9, 9, 9], dtype=torch.int64)
+    sample_src_positions = torch.tensor([11, 64, 6, 0, 0], dtype=torch.int64)
+    seq_lens = torch.tensor([11, 64, 6, 3, 3], dtype=torch.int32)
+    draft_tokens = torch.tensor([301, 302, 303], dtype=torch.int64)
+    current_step = torch.tensor(step, dtype=torch.int64)
+    hidden_states = torch.randn(6, hidden)
+    args = (
+        output_draft_tokens, output_draft_tokens.stride(0), next_hidden, next_hidden.stride(0),
+        input_ids, positions, sample_src_positions, seq_lens, draft_tokens, current_step,
+        hidden_states, hidden_states.stride(0), hidden, max_model_len, steps,
+    )  # fmt: skip
+    kwargs = {"BLOCK_SIZE": 16, "ADVANCE_DRAFT_POSITIONS": advance}
+    outputs = (
+        output_draft_tokens,
+        next_hidden,
+        input_ids,
+        positions,
+        sample_src_positions,
+        seq_lens,
+    )
+    return (num_reqs,), args, kwargs, outputs
+
+
+def update_draft_inputs():
+    return _update_draft_inputs_case(1)
+
+
+def update_draft_inputs_last_step():
+    return _update_draft_inputs_case(2)
+
+
+def update_draft_inputs_fixed_positions():
+    return _update_draft_inputs_case(0, advance=False)
+
+
 _INPUT_BATCH = "vllm.v1.worker.gpu.input_batch."
 _BLOCK_TABLE = "vllm.v1.worker.gpu.block_table."
 _GUMBEL = "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel"
 _APPLY_WRITE = "vllm.v1.worker.gpu.buffer_utils._apply_write_kernel"
+_UPDATE_DRAFT_INPUTS = (
+    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator._update_draft_inputs_kernel"
+)
 CASES = {
     "pos_seq_lens": (pos_seq_lens, _INPUT_BATCH + "_prepare_pos_seq_lens_kernel"),
     "combine_sampled_and_draft_tokens": (
@@ -222,6 +267,12 @@ CASES = {
     "gumbel_temperature": (gumbel_temperature, _GUMBEL),
     "gumbel_fp64": (gumbel_fp64, _GUMBEL),
     "gumbel_drafting": (gumbel_drafting, _GUMBEL),
+    "update_draft_inputs": (update_draft_inputs, _UPDATE_DRAFT_INPUTS),
+    "update_draft_inputs_last_step": (update_draft_inputs_last_step, _UPDATE_DRAFT_INPUTS),
+    "update_draft_inputs_fixed_positions": (
+        update_draft_inputs_fixed_positions,
+        _UPDATE_DRAFT_INPUTS,
+    ),
 }
 
 

@@ -75,6 +75,19 @@ class NpuGraphsCapture(CudaGraphManager):
     profiled_bytes: int = 0  # the estimate of vLLM's memory profiling capture
     _create_forward_fn: CreateForwardFn | None = None
 
+    def set_up_graphs(self, name: str, tasks: TaskRegistry) -> None:
+        """Capture into a ``GraphWrapper`` named ``name`` of the platform's graph
+        backend, in vLLM's pool, its attention tasks in ``tasks``."""
+        self.tasks = tasks
+        self.wrapper = GraphWrapper(
+            _run_forward,
+            backend=get_backend(graph_backend_name()),
+            mode=RuntimeMode.FULL,
+            pool=self.pool,
+            tasks=tasks,
+            name=name,
+        )
+
     def capture(
         self, create_forward_fn: CreateForwardFn, progress_bar_desc: str = "Capturing graphs"
     ) -> None:
@@ -134,7 +147,7 @@ class NpuGraphsCapture(CudaGraphManager):
             self.wrapper(forward_fn)
         self.graphs[desc] = self.wrapper.entry(desc)
         compilation_counter.num_cudagraph_captured += 1
-        graph_counters().captured += 1
+        self._count_capture()
 
     def dispatch(
         self,
@@ -152,12 +165,8 @@ class NpuGraphsCapture(CudaGraphManager):
             return desc
         if desc.cg_mode == CUDAGraphMode.FULL and desc not in self.graphs:
             self._capture_at_first_use(desc)
-        elif desc.cg_mode == CUDAGraphMode.NONE:
-            count_eager_step(
-                num_tokens,
-                self.vllm_config.compilation_config.max_cudagraph_capture_size,
-                lambda: uniform_token_count is not None,
-            )
+        else:
+            self._count_dispatch(desc, num_tokens, uniform_token_count)
         return desc
 
     def _capture_at_first_use(self, desc: BatchExecutionDescriptor) -> None:
@@ -186,16 +195,36 @@ class NpuGraphsCapture(CudaGraphManager):
                 f"FULL graph replay of {desc} without the step's attention metadata: "
                 "the model state's prepare_attn did not run for this step"
             )
-        counters = graph_counters()
-        counters.replayed_steps += 1
-        if not self.tasks.num_tasks(desc):
+        updated = bool(self.tasks.num_tasks(desc))
+        self._count_replay(updated)
+        if not updated:
             self.wrapper.replay(desc)
             return
-        counters.task_updates += 1
         self.wrapper.replay_with_update(desc, lambda: self._update_tasks(desc, attn_metadata))
 
     def _update_tasks(self, desc: BatchExecutionDescriptor, attn_metadata: Any) -> None:
         self.tasks.update(desc, per_layer_metadata(attn_metadata))
+
+    # What the bridge's counters count (a drafter's manager counts apart).
+    def _count_capture(self) -> None:
+        graph_counters().captured += 1
+
+    def _count_replay(self, updated: bool) -> None:
+        counters = graph_counters()
+        counters.replayed_steps += 1
+        counters.task_updates += updated
+
+    def _count_dispatch(
+        self, desc: BatchExecutionDescriptor, num_tokens: int, uniform_token_count: int | None
+    ) -> None:
+        """A dispatch to ``desc`` that is not a FULL graph (a step without graphs is
+        counted, a decode step off the grid logged once)."""
+        if desc.cg_mode == CUDAGraphMode.NONE:
+            count_eager_step(
+                num_tokens,
+                self.vllm_config.compilation_config.max_cudagraph_capture_size,
+                lambda: uniform_token_count is not None,
+            )
 
 
 class BridgeModelGraphManager(ModelCudaGraphManager, NpuGraphsCapture):
@@ -210,18 +239,13 @@ class BridgeModelGraphManager(ModelCudaGraphManager, NpuGraphsCapture):
                 "VLLM_USE_BREAKABLE_CUDAGRAPH: breakable CUDA graphs are torch.cuda graphs; "
                 "the bridge captures PIECEWISE graphs through vLLM's compiled pieces"
             )
-        self.tasks = TaskRegistry(
-            "attention", expected_tasks=count_attention_tasks(self.vllm_config, model)
+        self.set_up_graphs(
+            f"{type(model).__name__}[FULL]",
+            TaskRegistry(
+                "attention", expected_tasks=count_attention_tasks(self.vllm_config, model)
+            ),
         )
         self.capture_on_first_use = current_settings().capture_on_first_use
-        self.wrapper = GraphWrapper(
-            _run_forward,
-            backend=get_backend(graph_backend_name()),
-            mode=RuntimeMode.FULL,
-            pool=self.pool,
-            tasks=self.tasks,
-            name=f"{type(model).__name__}[FULL]",
-        )
         super().capture(model, *args, **kwargs)
 
 

@@ -6,11 +6,18 @@ graphs (``run_fullgraph``) with no forward context. :class:`GraphManagerHook`, m
 before a V2 runner class, touches those two points and nothing else:
 
 * ``initialize_kv_cache``: while vLLM's runs, that module name means
-  :class:`~npu_vllm_bridge.graphs.v2_graphs.BridgeModelGraphManager`
+  :class:`~npu_vllm_bridge.graphs.v2_graphs.BridgeModelGraphManager`, and the name
+  ``SpeculatorCudaGraphManager`` of the EAGLE / MTP drafters' modules
+  (``spec_decode.target_dependent_ar.speculator``, ``spec_decode.multi_module_mtp.speculator``),
+  by which their ``init_cudagraph_manager`` builds theirs, means
+  :class:`~npu_vllm_bridge.graphs.v2_draft_graphs.BridgeSpeculatorGraphManager`
   (:func:`bridge_graph_manager`);
 * ``load_model``: the model state's ``prepare_attn`` (an instance attribute over vLLM's
   method) leaves each step's attention metadata with that manager, whose FULL replays
-  update the attention tasks with it (:func:`leave_attn_metadata_with_graphs`).
+  update the attention tasks with it (:func:`leave_attn_metadata_with_graphs`); the
+  speculator's ``propose`` and ``_build_attn_metadata`` (instance attributes too) leave
+  the metadata of each drafter replay with the drafter's managers
+  (:func:`~npu_vllm_bridge.graphs.v2_draft_graphs.leave_draft_metadata_with_graphs`).
 """
 
 from __future__ import annotations
@@ -21,8 +28,17 @@ from typing import Any
 from unittest import mock
 
 import vllm.v1.worker.gpu.model_runner as gpu_model_runner
+import vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator as multi_module_mtp
+import vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator as target_dependent_ar
 
+from npu_vllm_bridge.graphs.v2_draft_graphs import (
+    BridgeSpeculatorGraphManager,
+    leave_draft_metadata_with_graphs,
+)
 from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager
+
+# The modules whose name ``SpeculatorCudaGraphManager`` builds a drafter's managers.
+DRAFTER_MODULES = (target_dependent_ar, multi_module_mtp)
 
 
 class GraphManagerHook:
@@ -34,6 +50,9 @@ class GraphManagerHook:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         leave_attn_metadata_with_graphs(self)
+        speculator = getattr(self, "speculator", None)
+        if speculator is not None:
+            leave_draft_metadata_with_graphs(speculator)
 
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's, building the bridge's graph manager."""
@@ -43,8 +62,18 @@ class GraphManagerHook:
 
 @contextlib.contextmanager
 def bridge_graph_manager() -> Iterator[None]:
-    """In the enclosed block, vLLM's V2 runner builds a :class:`BridgeModelGraphManager`."""
-    with mock.patch.object(gpu_model_runner, "ModelCudaGraphManager", BridgeModelGraphManager):
+    """In the enclosed block, vLLM's V2 runner builds a :class:`BridgeModelGraphManager`
+    and its EAGLE / MTP drafters build :class:`BridgeSpeculatorGraphManager` s."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            mock.patch.object(gpu_model_runner, "ModelCudaGraphManager", BridgeModelGraphManager)
+        )
+        for module in DRAFTER_MODULES:
+            stack.enter_context(
+                mock.patch.object(
+                    module, "SpeculatorCudaGraphManager", BridgeSpeculatorGraphManager
+                )
+            )
         yield
 
 

@@ -17,6 +17,7 @@ from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
 
 from npu_graphs import get_backend
 from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.v2_draft_graphs import drafter_graph_bytes
 from npu_vllm_bridge.graphs.v2_runner import GraphManagerHook
 from npu_vllm_bridge.graphs.wrapper import graph_backend_name, live_wrappers
 from npu_vllm_bridge.worker.host_v2_kernels import register_pointer_tensors
@@ -49,7 +50,8 @@ class HostModelRunnerV2(GraphManagerHook, CPUModelRunnerV2):
         counted in the bridge's counters (vLLM drops them)."""
         backend = get_backend(graph_backend_name())
         counters = graph_counters()
-        captured, before, start = counters.captured, backend.memory_in_use(), time.perf_counter()
+        captured, draft_captured = counters.captured, counters.draft_captured
+        before, start = backend.memory_in_use(), time.perf_counter()
         set_cudagraph_capturing_enabled(True)
         try:
             super().capture_model(profile_only=profile_only)
@@ -57,12 +59,16 @@ class HostModelRunnerV2(GraphManagerHook, CPUModelRunnerV2):
             set_cudagraph_capturing_enabled(False)
         held = backend.memory_in_use() - before
         if profile_only:
-            counters.captured = captured
+            counters.captured, counters.draft_captured = captured, draft_captured
             manager = self.cudagraph_manager
-            return getattr(manager, "profiled_bytes", held)
+            if not hasattr(manager, "profiled_bytes"):
+                return held
+            # The target's graphs estimated from samples, the drafter's all captured.
+            return manager.profiled_bytes + drafter_graph_bytes(self.speculator)
         counters.capture_bytes += held
         counters.capture_seconds += time.perf_counter() - start
-        counters.eager_steps = counters.off_grid_steps = 0  # warm-up forwards are not steps
+        # Warm-up forwards are not steps.
+        counters.eager_steps = counters.off_grid_steps = counters.draft_other_forwards = 0
         counters.serving = True
         return held
 

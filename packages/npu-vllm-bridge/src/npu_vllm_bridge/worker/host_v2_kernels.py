@@ -451,6 +451,59 @@ def _write_flat(target: torch.Tensor, flat_index: torch.Tensor, values: torch.Te
     target.view(-1)[flat_index] = values.to(target.dtype)
 
 
+def _update_draft_inputs(
+    output_draft_tokens_ptr: torch.Tensor,
+    output_draft_tokens_stride: int,
+    next_input_hidden_states_ptr: torch.Tensor,
+    next_input_hidden_states_stride: int,
+    input_ids_ptr: torch.Tensor,
+    positions_ptr: torch.Tensor,
+    sample_src_positions_ptr: torch.Tensor,
+    seq_lens_ptr: torch.Tensor,
+    draft_tokens_ptr: torch.Tensor,
+    current_draft_step_ptr: torch.Tensor,
+    hidden_states_ptr: torch.Tensor,
+    hidden_states_stride: int,
+    hidden_size: int,
+    max_model_len: int,
+    num_speculative_steps: int,
+    BLOCK_SIZE: int = 1024,
+    ADVANCE_DRAFT_POSITIONS: bool = True,
+) -> None:
+    """After an EAGLE / MTP draft step: each request's draft token stored in its
+    column ``current_draft_step`` of the output; unless that was the last step, the
+    token and its hidden state become the next step's input, and its sampling
+    position (with ``ADVANCE_DRAFT_POSITIONS``, its position and sequence length,
+    capped by the model length) advance by one.
+
+    ``draft_tokens_ptr``: ``[num_reqs]``; ``output_draft_tokens_ptr``: ``[max_num_reqs,
+    num_speculative_steps]``; ``hidden_states_ptr`` / ``next_input_hidden_states_ptr``:
+    ``[>= num_reqs, hidden_size]``; ``current_draft_step_ptr``: an int64 scalar tensor.
+    The step is read on the device, never on the host, so that a host graph replays
+    the kernel with the step of each replay.
+    """
+    num_reqs = draft_tokens_ptr.shape[0]
+    step = current_draft_step_ptr.reshape(1).long()
+    tokens = draft_tokens_ptr.reshape(num_reqs, 1)
+    output = output_draft_tokens_ptr[:num_reqs]
+    output.scatter_(1, step.expand(num_reqs, 1), tokens.to(output.dtype))
+    more = step < num_speculative_steps - 1  # [1]: not the last step
+    sample_positions = sample_src_positions_ptr[:num_reqs]
+    sample_positions.add_(more.to(sample_positions.dtype))
+    input_ids = input_ids_ptr[:num_reqs]
+    input_ids.copy_(torch.where(more, draft_tokens_ptr.to(input_ids.dtype), input_ids))
+    next_hidden = next_input_hidden_states_ptr[:num_reqs, :hidden_size]
+    hidden = hidden_states_ptr[:num_reqs, :hidden_size].to(next_hidden.dtype)
+    next_hidden.copy_(torch.where(more[:, None], hidden, next_hidden))
+    if ADVANCE_DRAFT_POSITIONS:
+        positions = positions_ptr[:num_reqs]
+        advanced = torch.clamp(positions + 1, max=max_model_len - 1)
+        positions.copy_(torch.where(more, advanced, positions))
+        seq_lens = seq_lens_ptr[:num_reqs]
+        longer = torch.clamp(seq_lens + 1, max=max_model_len).to(seq_lens.dtype)
+        seq_lens.copy_(torch.where(more, longer, seq_lens))
+
+
 # vLLM's kernel -> its PyTorch version here.
 KERNELS = {
     "vllm.v1.worker.gpu.input_batch._prepare_pos_seq_lens_kernel": _prepare_pos_seq_lens,
@@ -465,6 +518,9 @@ KERNELS = {
     "vllm.v1.worker.gpu.block_table._compute_slot_mappings_kernel": _compute_slot_mappings,
     "vllm.v1.worker.gpu.buffer_utils._apply_write_kernel": _apply_write,
     "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel": _gumbel_sample,
+    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator._update_draft_inputs_kernel": (
+        _update_draft_inputs
+    ),
 }
 
 
