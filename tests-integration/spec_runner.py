@@ -9,7 +9,8 @@ for several engines saves the start-up of Python, torch and vLLM per configurati
 
 SPEC: {"model": path, "prompts": [[ids], ...], "max_tokens": [n per prompt], "engines": {name:
 {LLM kwargs}}}; an engine's ``"skip_draft_updates": true`` (not an LLM kwarg) makes the
-drafter's FULL replays skip their task update. Output: one line per engine, ``RESULT {"name": ..., "tokens": [[...]],
+drafter's FULL replays skip their task update; its ``"model"``, ``"prompts"`` and
+``"max_tokens"`` replace the spec's. Output: one line per engine, ``RESULT {"name": ..., "tokens": [[...]],
 "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
 "accepted_per_position"}, "counters": {...}, "states": {...}}``, or with
 ``"error"`` when the engine refuses to start.
@@ -93,6 +94,10 @@ def _run_engine(name: str, spec: dict, engine: dict, states: Counter, skipped: l
 
     from npu_vllm_bridge.graphs.counters import graph_counters
 
+    spec = {
+        **spec,
+        **{key: engine.pop(key) for key in ("model", "prompts", "max_tokens") if key in engine},
+    }
     try:
         llm = LLM(model=spec["model"], skip_tokenizer_init=True, disable_log_stats=False, **engine)
     except Exception as exc:  # a refusal under test

@@ -146,23 +146,31 @@ def spec_results(checkpoints, tmp_path_factory) -> dict[str, dict]:
 
 
 def run_engines(
-    model: Path, prompts: list[list[int]], max_tokens: list[int], engines: dict, spec_path: Path
+    model: Path,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    engines: dict,
+    spec_path: Path,
+    runner: Path = RUNNER,
+    env: dict[str, str] | None = None,
+    capture_on_first_use: bool = False,
 ) -> dict[str, dict]:
     """Run ``engines`` ({name: LLM kwargs}) on ``model`` one after another in one
-    ``spec_runner.py`` subprocess (host platform); their results by name."""
-    # Graphs captured at start-up, as on the NPU: the verify and PIECEWISE sizes a few
+    ``runner`` subprocess (``spec_runner.py`` by default; host platform, ``env`` added
+    to the environment); their results by name."""
+    # V1: graphs captured at start-up, as on the NPU: the verify and PIECEWISE sizes a few
     # prompts reach once each replay then (captured at first use, they would only record).
     spec = {
         "model": str(model),
         "prompts": prompts,
         "max_tokens": max_tokens,
         "engines": engines,
-        "host_platform": {"capture_on_first_use": False},
+        "host_platform": {"capture_on_first_use": capture_on_first_use},
     }
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", NPU_BRIDGE_DEVICE="cpu")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", NPU_BRIDGE_DEVICE="cpu", **env or {})
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(spec_path)],
+        [sys.executable, str(runner), str(spec_path)],
         env=env,
         capture_output=True,
         text=True,

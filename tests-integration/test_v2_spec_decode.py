@@ -1,0 +1,163 @@
+"""Speculative decoding with EAGLE and MTP on vLLM's Model Runner V2 in host mode
+(``VLLM_USE_V2_MODEL_RUNNER=1``), eager and with the drafter's own FULL graphs captured
+by npu-graphs (V2's ``SpeculatorCudaGraphManager`` replaced by the bridge's).
+
+Greedy tokens with speculation must equal those without it, on V2 and on V1: rejection
+sampling keeps exactly the target's greedy tokens, whatever the drafter proposes. That
+alone cannot see a wrong drafter graph (the random-weight drafters here are seldom
+right anyway), so the drafts themselves are compared: with graphs, every proposal must
+hold the tokens the eager drafter proposed at the same step. A drafter whose replays
+skip their task update must propose other drafts (its graphs then attend with the
+captured dummy step's plans), while the greedy tokens stay the target's.
+
+The drafters (``test_spec_decode.py``'s checkpoints): an EAGLE head for the tiny Llama,
+and the MTP layer of a tiny DeepSeek-V3 (MLA attention). Both draft ``k = 2`` tokens: a
+draft prefill over the verify step's ``1 + k`` tokens per request and one draft step of
+one token per request, each replaying its own graphs under FULL_DECODE_ONLY (the MTP
+layer drafts both tokens). The target's graphs are captured at first use (host mode's
+default); the drafter's at start-up.
+
+All V2 engines run one after another in one subprocess (``v2_spec_runner.py``), the V1
+references in another (``spec_runner.py``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import test_spec_decode
+from draft_checkpoints import write_eagle_draft
+from mla_checkpoints import write_mtp_checkpoint
+from test_spec_decode import run_engines
+
+V2_RUNNER = test_spec_decode.RUNNER.with_name("v2_spec_runner.py")
+V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+K = 2  # draft tokens per proposal: the draft prefill, then one draft step
+CAPTURE_SIZES = [3, 6, 12]  # verify batches of 1, 2 and 4 requests of 1 + k tokens
+# The drafter's graphs: draft prefills of 3, 6 and 12 tokens; draft steps of 3 requests
+# (the one size of one token per request up to max_num_seqs = 4).
+DRAFT_GRAPHS = 4
+MODES = ("eager", "FULL_DECODE_ONLY")
+
+
+def _graphs(mode: str, **compilation) -> dict:
+    if mode == "eager":
+        return dict(enforce_eager=True, compilation_config=compilation)
+    compilation.update(cudagraph_mode=mode, cudagraph_capture_sizes=CAPTURE_SIZES)
+    return dict(enforce_eager=False, compilation_config=compilation)
+
+
+def _eagle(draft) -> dict:
+    return {"method": "eagle", "model": str(draft), "num_speculative_tokens": K}
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": K}
+
+
+def _mtp_engine(model, mode: str, **options) -> dict:
+    rng = random.Random(3)
+    prompts = [
+        [rng.randrange(3, 512) for _ in range(n)] for n in test_spec_decode.MTP_PROMPT_LENGTHS
+    ]
+    return {
+        **test_spec_decode.MTP_ENGINE,
+        **_graphs(mode, custom_ops=["none"]),  # as test_spec_decode's MTP engines
+        "model": str(model),
+        "prompts": prompts,
+        "max_tokens": test_spec_decode.MTP_MAX_TOKENS,
+        **options,
+    }
+
+
+@pytest.fixture(scope="module")
+def results(checkpoints, tmp_path_factory) -> dict[str, dict]:
+    """Every engine's result by name: ``{v1,v2}-{llama,mtp}`` without speculation,
+    ``{eagle,mtp}-{mode}`` and ``eagle-stale`` on V2."""
+    root = tmp_path_factory.mktemp("v2-spec-decode")
+    target = checkpoints["llama"]
+    draft = write_eagle_draft(target, root / "eagle-draft")
+    mtp_model = write_mtp_checkpoint(root / "deepseek-v3-mtp")
+    engine = test_spec_decode.ENGINE
+    references = {
+        "llama": {**engine, **_graphs("eager")},
+        "mtp": _mtp_engine(mtp_model, "eager"),
+    }
+    v2_engines = {f"v2-{name}": options for name, options in references.items()}
+    for mode in MODES:
+        v2_engines[f"eagle-{mode}"] = {
+            **engine,
+            **_graphs(mode),
+            "speculative_config": _eagle(draft),
+        }
+        v2_engines[f"mtp-{mode}"] = _mtp_engine(mtp_model, mode, speculative_config=MTP)
+    v2_engines["eagle-stale"] = {
+        **v2_engines["eagle-FULL_DECODE_ONLY"],
+        "skip_draft_updates": True,
+    }
+    prompts, max_tokens = test_spec_decode._prompts(), test_spec_decode.MAX_TOKENS
+    v2 = run_engines(
+        target, prompts, max_tokens, v2_engines, root / "v2.json",
+        runner=V2_RUNNER, env=V2_ENV, capture_on_first_use=True,
+    )  # fmt: skip
+    v1_engines = {f"v1-{name}": options for name, options in references.items()}
+    v1 = run_engines(target, prompts, max_tokens, v1_engines, root / "v1.json")
+    return {**v1, **v2}
+
+
+def _check_ran_on_v2(result: dict) -> None:
+    assert "error" not in result, result["error"]
+    assert result["model_runners"] == ["HostModelRunnerV2"], result["model_runners"]
+
+
+@pytest.mark.parametrize("model", ["llama", "mtp"])
+def test_v2_without_speculation_equals_v1(results, model):
+    v1, v2 = results[f"v1-{model}"], results[f"v2-{model}"]
+    assert "error" not in v1, v1["error"]
+    _check_ran_on_v2(v2)
+    assert v2["tokens"] == v1["tokens"]
+    assert all(v2["tokens"]), v2["tokens"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_speculation_keeps_greedy_tokens(results, method, mode):
+    result = results[f"{method}-{mode}"]
+    _check_ran_on_v2(result)
+    model = "llama" if method == "eagle" else "mtp"
+    stats, counters = result["spec"], result["counters"]
+    print(
+        f"\n{method} {mode} on V2: drafts {stats['num_drafts']}, draft tokens "
+        f"{stats['num_draft_tokens']}, accepted {stats['num_accepted_tokens']}; "
+        f"graph counters {counters}"
+    )
+    for i, (ours, theirs) in enumerate(zip(result["tokens"], results[f"v1-{model}"]["tokens"])):
+        assert ours == theirs, f"prompt {i}: with {method} on V2 {ours} != V1 without {theirs}"
+    assert result["tokens"] == results[f"v2-{model}"]["tokens"]
+    assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] == K * stats["num_drafts"]
+    assert result["drafts"] and all(len(row) == K for step in result["drafts"] for row in step)
+    if mode == "eager":
+        assert counters["captured"] == counters["draft_captured"] == 0, counters
+        assert counters["draft_replayed_steps"] == 0, counters
+        return
+    # Verify steps replayed the target's graphs, draft passes the drafter's, each after
+    # a task update; drafter passes off its graphs (after prefills) dispatched apart.
+    assert counters["task_updates"] == counters["replayed_steps"] > 0, counters
+    assert counters["draft_captured"] == DRAFT_GRAPHS, counters
+    assert counters["draft_task_updates"] == counters["draft_replayed_steps"] > 0, counters
+    assert counters["draft_other_forwards"] > 0, counters
+    # The graphs drafted what the eager drafter drafted, proposal by proposal.
+    assert result["drafts"] == results[f"{method}-eager"]["drafts"]
+
+
+def test_draft_replays_without_task_update_draft_otherwise(results):
+    """The EAGLE drafter's replays skip their task update: its graphs attend with the
+    captured dummy step's plans, so its drafts differ from the eager drafter's; the
+    greedy tokens stay the target's."""
+    result, eager = results["eagle-stale"], results["eagle-eager"]
+    _check_ran_on_v2(result)
+    counters = result["counters"]
+    assert result["skipped_draft_updates"] == counters["draft_replayed_steps"] > 0, result
+    assert result["tokens"] == results["v2-llama"]["tokens"]
+    assert len(result["drafts"]) == len(eager["drafts"])
+    assert result["drafts"] != eager["drafts"], "stale draft replays drafted the same tokens"
