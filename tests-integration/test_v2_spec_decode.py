@@ -10,12 +10,17 @@ hold the tokens the eager drafter proposed at the same step. A drafter whose rep
 skip their task update must propose other drafts (its graphs then attend with the
 captured dummy step's plans), while the greedy tokens stay the target's.
 
-The drafters (``test_spec_decode.py``'s checkpoints): an EAGLE head for the tiny Llama,
-and the MTP layer of a tiny DeepSeek-V3 (MLA attention). Both draft ``k = 2`` tokens: a
-draft prefill over the verify step's ``1 + k`` tokens per request and one draft step of
-one token per request, each replaying its own graphs under FULL_DECODE_ONLY (the MTP
-layer drafts both tokens). The target's graphs are captured at first use (host mode's
-default); the drafter's at start-up.
+The drafters (``test_spec_decode.py``'s checkpoints) draft ``k = 2`` tokens:
+
+* an EAGLE head for the tiny Llama, and the MTP layer of a tiny DeepSeek-V3 (MLA
+  attention) drafting both tokens (vLLM's ``target_dependent_ar`` drafters): a draft
+  prefill over the verify step's ``1 + k`` tokens per request and one draft step of one
+  token per request, each replaying graphs of its own under FULL_DECODE_ONLY;
+* ``mtp2``: the same DeepSeek-V3 with two MTP layers (vLLM's multi-module MTP), both
+  modules in one graph per verify batch size.
+
+The target's graphs are captured at first use (host mode's default); the drafter's at
+start-up.
 
 All V2 engines run one after another in one subprocess (``v2_spec_runner.py``), the V1
 references in another (``spec_runner.py``).
@@ -36,8 +41,11 @@ V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 K = 2  # draft tokens per proposal: the draft prefill, then one draft step
 CAPTURE_SIZES = [3, 6, 12]  # verify batches of 1, 2 and 4 requests of 1 + k tokens
 # The drafter's graphs: draft prefills of 3, 6 and 12 tokens; draft steps of 3 requests
-# (the one size of one token per request up to max_num_seqs = 4).
-DRAFT_GRAPHS = 4
+# (the one size of one token per request up to max_num_seqs = 4). Multi-module MTP: one
+# graph per verify batch size.
+DRAFT_GRAPHS = {"eagle": 4, "mtp": 4, "mtp2": 3}
+METHODS = tuple(DRAFT_GRAPHS)
+TARGETS = {"eagle": "llama", "mtp": "mtp", "mtp2": "mtp"}  # the MTP layers: same target
 MODES = ("eager", "FULL_DECODE_ONLY")
 
 
@@ -78,6 +86,7 @@ def results(checkpoints, tmp_path_factory) -> dict[str, dict]:
     target = checkpoints["llama"]
     draft = write_eagle_draft(target, root / "eagle-draft")
     mtp_model = write_mtp_checkpoint(root / "deepseek-v3-mtp")
+    mtp2_model = write_mtp_checkpoint(root / "deepseek-v3-mtp2", num_mtp_layers=2)
     engine = test_spec_decode.ENGINE
     references = {
         "llama": {**engine, **_graphs("eager")},
@@ -91,6 +100,7 @@ def results(checkpoints, tmp_path_factory) -> dict[str, dict]:
             "speculative_config": _eagle(draft),
         }
         v2_engines[f"mtp-{mode}"] = _mtp_engine(mtp_model, mode, speculative_config=MTP)
+        v2_engines[f"mtp2-{mode}"] = _mtp_engine(mtp2_model, mode, speculative_config=MTP)
     v2_engines["eagle-stale"] = {
         **v2_engines["eagle-FULL_DECODE_ONLY"],
         "skip_draft_updates": True,
@@ -120,11 +130,11 @@ def test_v2_without_speculation_equals_v1(results, model):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("method", METHODS)
 def test_speculation_keeps_greedy_tokens(results, method, mode):
     result = results[f"{method}-{mode}"]
     _check_ran_on_v2(result)
-    model = "llama" if method == "eagle" else "mtp"
+    model = TARGETS[method]
     stats, counters = result["spec"], result["counters"]
     print(
         f"\n{method} {mode} on V2: drafts {stats['num_drafts']}, draft tokens "
@@ -143,7 +153,7 @@ def test_speculation_keeps_greedy_tokens(results, method, mode):
     # Verify steps replayed the target's graphs, draft passes the drafter's, each after
     # a task update; drafter passes off its graphs (after prefills) dispatched apart.
     assert counters["task_updates"] == counters["replayed_steps"] > 0, counters
-    assert counters["draft_captured"] == DRAFT_GRAPHS, counters
+    assert counters["draft_captured"] == DRAFT_GRAPHS[method], counters
     assert counters["draft_task_updates"] == counters["draft_replayed_steps"] > 0, counters
     assert counters["draft_other_forwards"] > 0, counters
     # The graphs drafted what the eager drafter drafted, proposal by proposal.

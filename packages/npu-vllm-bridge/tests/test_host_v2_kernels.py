@@ -150,3 +150,47 @@ def test_update_draft_inputs_replays_with_each_replays_draft_step() -> None:
     assert positions.tolist() == [7, 11, 0, 0]  # capped at max_model_len - 1
     assert sample_positions.tolist() == [8, 14, 0]
     assert seq_lens.tolist() == [8, 12, 0]  # capped at max_model_len
+
+
+def test_multi_module_mtp_kernels_replay_with_each_replays_values() -> None:
+    """Multi-module MTP's cache of draft inputs and shift of input ids, captured once in
+    a host graph, replay on the values of each replay: the same writes as a call."""
+    from npu_graphs import get_backend
+
+    def buffers(seed: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        return {
+            "input_ids": torch.randint(0, 99, (12,), generator=generator),
+            "hidden": torch.randn(12, 8, generator=generator),
+            "cached_ids": torch.zeros(5, 2, dtype=torch.int64),
+            "cached_hidden": torch.zeros(5, 2, 8),
+            "idx_mapping": torch.tensor([3, 1, -1], dtype=torch.int32),
+            "query_start_loc": torch.tensor([0, 4, 6, 6], dtype=torch.int32),
+            "last": torch.tensor([3, 5, 5]),
+            "drafts": torch.randint(100, 199, (3,), generator=generator),
+        }
+
+    def run(b: dict[str, torch.Tensor]) -> None:
+        host_v2_kernels._cache_inputs(
+            b["input_ids"], None, 0, b["hidden"], 8, b["cached_ids"], 2, None, 0, 0,
+            b["cached_hidden"], 16, 8, b["idx_mapping"], b["last"], b["query_start_loc"], 3, 8,
+        )  # fmt: skip
+        host_v2_kernels._shift_input_ids(
+            b["input_ids"], b["idx_mapping"], b["query_start_loc"], b["last"], b["drafts"]
+        )
+
+    captured = buffers(0)
+    backend = get_backend("host")
+    graph = backend.new_graph()
+    with backend.capture(graph):
+        run(captured)
+    later = buffers(1)  # other values, a rejection (last index 1 of 0..3), other states
+    later["last"].copy_(torch.tensor([1, 5, 5]))
+    later["idx_mapping"].copy_(torch.tensor([0, 4, -1], dtype=torch.int32))
+    for name, tensor in later.items():
+        captured[name].copy_(tensor)
+    backend.replay(graph)
+    run(later)
+    for name, tensor in later.items():
+        assert torch.equal(captured[name], tensor), name
+    assert later["cached_ids"][0, 0] != 0 and later["cached_ids"][3].tolist() == [0, 0]

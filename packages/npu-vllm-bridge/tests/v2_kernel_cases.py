@@ -241,6 +241,52 @@ def update_draft_inputs_fixed_positions():
     return _update_draft_inputs_case(0, advance=False)
 
 
+def _cache_inputs_case(*, embeds: bool):
+    """Multi-module MTP with 3 speculative tokens (a window of 2): rows of 3, 1 and 4
+    query tokens (the first after a rejection: its last token index before its end),
+    then a padding row; 6 request states, hidden size 1100 (two blocks)."""
+    hidden, window = 1100, 2
+    input_ids = torch.arange(100, 112, dtype=torch.int32)
+    hidden_states = torch.randn(12, hidden)
+    input_embeds = torch.randn(12, hidden) if embeds else None
+    cached_ids = torch.full((6, window), -1, dtype=torch.int32)
+    cached_hidden = torch.zeros(6, window, hidden)
+    cached_embeds = torch.zeros(6, window, hidden) if embeds else None
+    idx_mapping = torch.tensor([4, 0, 2, -1], dtype=torch.int32)
+    last_token_indices = torch.tensor([1, 3, 7, 7], dtype=torch.int64)
+    query_start_loc = torch.tensor([0, 3, 4, 8, 8], dtype=torch.int32)
+    args = (
+        input_ids, input_embeds, input_embeds.stride(0) if embeds else 0, hidden_states,
+        hidden_states.stride(0), cached_ids, cached_ids.stride(0), cached_embeds,
+        cached_embeds.stride(0) if embeds else 0, cached_embeds.stride(1) if embeds else 0,
+        cached_hidden, cached_hidden.stride(0), cached_hidden.stride(1), idx_mapping,
+        last_token_indices, query_start_loc, window + 1, hidden,
+    )  # fmt: skip
+    kwargs = {"BLOCK_SIZE": 1024, "USE_INPUT_EMBEDS": embeds}
+    outputs = (cached_ids, cached_hidden) + ((cached_embeds,) if embeds else ())
+    return (4, 2), args, kwargs, outputs
+
+
+def cache_inputs():
+    return _cache_inputs_case(embeds=False)
+
+
+def cache_inputs_with_embeddings():
+    return _cache_inputs_case(embeds=True)
+
+
+def shift_input_ids():
+    """Rows of 3 tokens (last index 2), 1, 4 (last index 5: two trailing slots) and a
+    padding row; the buffer is longer than the batch."""
+    input_ids = torch.arange(50, 66, dtype=torch.int32)
+    idx_mapping = torch.tensor([1, 3, 0, -1], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 3, 4, 8, 8], dtype=torch.int32)
+    last_token_indices = torch.tensor([2, 3, 5, 7], dtype=torch.int64)
+    draft_tokens = torch.tensor([901, 902, 903, 904], dtype=torch.int64)
+    args = (input_ids, idx_mapping, query_start_loc, last_token_indices, draft_tokens)
+    return (4,), args, {"BLOCK_SIZE": 2}, (input_ids,)
+
+
 _INPUT_BATCH = "vllm.v1.worker.gpu.input_batch."
 _BLOCK_TABLE = "vllm.v1.worker.gpu.block_table."
 _GUMBEL = "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel"
@@ -248,6 +294,7 @@ _APPLY_WRITE = "vllm.v1.worker.gpu.buffer_utils._apply_write_kernel"
 _UPDATE_DRAFT_INPUTS = (
     "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator._update_draft_inputs_kernel"
 )
+_MULTI_MODULE_MTP = "vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator."
 CASES = {
     "pos_seq_lens": (pos_seq_lens, _INPUT_BATCH + "_prepare_pos_seq_lens_kernel"),
     "combine_sampled_and_draft_tokens": (
@@ -273,6 +320,12 @@ CASES = {
         update_draft_inputs_fixed_positions,
         _UPDATE_DRAFT_INPUTS,
     ),
+    "cache_inputs": (cache_inputs, _MULTI_MODULE_MTP + "_cache_inputs_kernel"),
+    "cache_inputs_with_embeddings": (
+        cache_inputs_with_embeddings,
+        _MULTI_MODULE_MTP + "_cache_inputs_kernel",
+    ),
+    "shift_input_ids": (shift_input_ids, _MULTI_MODULE_MTP + "_shift_input_ids_kernel"),
 }
 
 

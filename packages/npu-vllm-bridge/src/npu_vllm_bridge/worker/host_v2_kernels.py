@@ -5,7 +5,12 @@ which takes tens of milliseconds per launch (``_gumbel_sample_kernel`` about a s
 on SmolLM2's vocabulary). :func:`register` hands vLLM's kernel dispatcher
 (``vllm.triton_utils.dispatcher.register_kernels``) these versions of the kernels a
 decode step launches: inputs, block tables and slot mappings, sampling, the update
-after sampling, and the staged writes of new block ids.
+after sampling, and the staged writes of new block ids. And those that the EAGLE / MTP
+drafters' FULL graphs capture (an interpreted kernel cannot be recorded in a host
+graph, ``host_triton.py``): the update of a draft step's inputs, and multi-module MTP's
+cache of its draft inputs and shift of input ids (not the shift of input embeddings,
+which only multimodal drafters run). These read no value of a tensor on the host, so
+that a host graph replays them with each replay's values.
 
 Each takes its kernel's arguments under the kernel's names (a test checks they still
 match), tensors where the kernel takes pointers, and works out the launch grid from
@@ -504,6 +509,98 @@ def _update_draft_inputs(
         seq_lens.copy_(torch.where(more, longer, seq_lens))
 
 
+def _cache_inputs(
+    draft_input_ids_ptr: torch.Tensor,
+    draft_input_embeds_ptr: torch.Tensor | None,
+    draft_input_embeds_stride0: int,
+    draft_input_hidden_states_ptr: torch.Tensor,
+    draft_input_hidden_states_stride0: int,
+    cached_draft_input_ids_ptr: torch.Tensor,
+    cached_draft_input_ids_stride0: int,
+    cached_draft_input_embeds_ptr: torch.Tensor | None,
+    cached_draft_input_embeds_stride0: int,
+    cached_draft_input_embeds_stride1: int,
+    cached_target_hidden_states_ptr: torch.Tensor,
+    cached_target_hidden_states_stride0: int,
+    cached_target_hidden_states_stride1: int,
+    idx_mapping_ptr: torch.Tensor,
+    last_token_indices_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    num_speculative_steps: int,
+    hidden_size: int,
+    BLOCK_SIZE: int = 1024,
+    USE_INPUT_EMBEDS: bool = False,
+) -> None:
+    """Multi-module MTP: each request's last ``num_speculative_steps - 1`` draft input
+    tokens up to its last token index (those of its query), their hidden states (and
+    embeddings), kept by request state for a re-prefill at its next step; slot ``j``
+    holds the token ``window - 1 - j`` before the last. Padding rows (negative request
+    state) keep nothing.
+
+    ``cached_draft_input_ids_ptr``: ``[max_num_reqs, window]``; the caches of hidden
+    states and embeddings: ``[max_num_reqs, window, hidden_size]``. Every request
+    state's rows are rewritten (unchanged where no row of the batch writes), with no
+    host value read from a tensor, so that a host graph replays the kernel as it is.
+    """
+    window = num_speculative_steps - 1
+    if window <= 0:
+        return
+    num_reqs = idx_mapping_ptr.shape[0]
+    states = idx_mapping_ptr.long()
+    valid = states >= 0
+    last = last_token_indices_ptr[:num_reqs].long()
+    tokens = last[:, None] - window + 1 + torch.arange(window)  # [num_reqs, window]
+    kept = valid[:, None] & (tokens >= query_start_loc_ptr[:num_reqs].long()[:, None])
+    # The batch row of each request state (-1: none); a state is in the batch once.
+    rows = torch.where(valid, torch.arange(num_reqs), -1)
+    owner = torch.full((cached_draft_input_ids_ptr.shape[0],), -1, dtype=torch.long)
+    owner.scatter_reduce_(0, states.clamp(min=0), rows, "amax")
+    row = owner.clamp(min=0)
+    written = kept[row] & (owner >= 0)[:, None]  # [max_num_reqs, window]
+    source = tokens[row].clamp(min=0)
+
+    def cache(target: torch.Tensor, values: torch.Tensor) -> None:
+        mask = written if target.dim() == 2 else written[..., None]
+        target.copy_(torch.where(mask, values.to(target.dtype), target))
+
+    cache(cached_draft_input_ids_ptr[:, :window], draft_input_ids_ptr[source])
+    hidden = draft_input_hidden_states_ptr[:, :hidden_size]
+    cache(cached_target_hidden_states_ptr[:, :window, :hidden_size], hidden[source])
+    if USE_INPUT_EMBEDS:
+        embeds = draft_input_embeds_ptr[:, :hidden_size]
+        cache(cached_draft_input_embeds_ptr[:, :window, :hidden_size], embeds[source])
+
+
+def _shift_input_ids(
+    input_ids_ptr: torch.Tensor,
+    idx_mapping_ptr: torch.Tensor,
+    query_start_loc_ptr: torch.Tensor,
+    last_token_indices_ptr: torch.Tensor,
+    draft_tokens_ptr: torch.Tensor,
+    BLOCK_SIZE: int = 1024,
+) -> None:
+    """Multi-module MTP, between its modules: each request's input ids from its query
+    start to its last token index shifted left by one, the draft token at the last
+    index. Padding rows (negative request state) are left alone.
+
+    Computed over the whole ``input_ids_ptr`` buffer (unchanged outside the requests'
+    ranges), with no host value read from a tensor, so that a host graph replays it.
+    """
+    num_reqs = idx_mapping_ptr.shape[0]
+    starts = query_start_loc_ptr[:num_reqs].long()
+    last = last_token_indices_ptr[:num_reqs].long()
+    valid = idx_mapping_ptr.long() >= 0
+    positions = torch.arange(input_ids_ptr.shape[0])
+    row = (torch.searchsorted(starts, positions, right=True) - 1).clamp(min=0)
+    inside = valid[row] & (positions >= starts[row])
+    shifted = inside & (positions < last[row])
+    at_last = inside & (positions == last[row])
+    following = torch.cat([input_ids_ptr[1:], input_ids_ptr[-1:]])
+    drafts = draft_tokens_ptr[:num_reqs].to(input_ids_ptr.dtype)[row]
+    updated = torch.where(shifted, following, torch.where(at_last, drafts, input_ids_ptr))
+    input_ids_ptr.copy_(updated)
+
+
 # vLLM's kernel -> its PyTorch version here.
 KERNELS = {
     "vllm.v1.worker.gpu.input_batch._prepare_pos_seq_lens_kernel": _prepare_pos_seq_lens,
@@ -520,6 +617,12 @@ KERNELS = {
     "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel": _gumbel_sample,
     "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator._update_draft_inputs_kernel": (
         _update_draft_inputs
+    ),
+    "vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator._cache_inputs_kernel": (
+        _cache_inputs
+    ),
+    "vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator._shift_input_ids_kernel": (
+        _shift_input_ids
     ),
 }
 
