@@ -93,7 +93,7 @@ def test_gumbel_sample_stores_each_rows_logits_in_its_cache_column() -> None:
     host_v2_kernels._gumbel_sample(
         local_argmax, 1, local_max, 1, cache, 80, 40, torch.tensor([1, 0, 1]), logits, 40,
         logits, 40, torch.tensor([2, 0, -1], dtype=torch.int32), torch.arange(4),
-        torch.arange(3), torch.tensor([0.5, 0.0, 0.0, 0.0]), 40,
+        torch.arange(3), torch.tensor([0.0, 0.0, 0.5, 0.0]), 40,
         BLOCK_SIZE=64, IS_DRAFTING=True, PER_TOKEN_COL=True,
     )  # fmt: skip
     assert torch.equal(cache[2, 1], logits[0]) and torch.equal(cache[0, 0], logits[1])
@@ -194,3 +194,55 @@ def test_multi_module_mtp_kernels_replay_with_each_replays_values() -> None:
     for name, tensor in later.items():
         assert torch.equal(captured[name], tensor), name
     assert later["cached_ids"][0, 0] != 0 and later["cached_ids"][3].tolist() == [0, 0]
+
+
+def test_gumbel_sample_captured_greedy_replays_with_temperatures_and_logits_cache() -> None:
+    """V2's probabilistic draft sampling inside a drafter graph: captured with every
+    temperature 0 (a capture's dummy batch), replayed with temperatures, other logits
+    and a padding row whose request state collides with a real one's; the replay
+    writes what a call outside any capture writes (noise only on rows with a
+    temperature there, the path the interpreted-kernel cases check)."""
+    from npu_graphs import RuntimeMode, get_backend
+    from npu_graphs.session import CaptureSession, capture_session
+
+    vocab, block = 300, 128
+
+    def buffers() -> dict[str, torch.Tensor]:
+        return {
+            "local_argmax": torch.zeros(3, 3, dtype=torch.int64),
+            "local_max": torch.zeros(3, 3),
+            "cache": torch.zeros(4, 2, vocab),
+            "column": torch.tensor(0),
+            "logits": torch.zeros(3, vocab),
+            "states": torch.tensor([2, 0, -1], dtype=torch.int32),
+            "seeds": torch.tensor([5, 6, 7, 8]),
+            "pos": torch.tensor([10, 11, 12]),
+            "temperature": torch.zeros(4),
+        }
+
+    def sample(b: dict[str, torch.Tensor]) -> None:
+        host_v2_kernels._gumbel_sample(
+            b["local_argmax"], 3, b["local_max"], 3, b["cache"], 2 * vocab, vocab, b["column"],
+            b["logits"], vocab, b["logits"], vocab, b["states"], b["seeds"], b["pos"],
+            b["temperature"], vocab, BLOCK_SIZE=block, IS_DRAFTING=True,
+        )  # fmt: skip
+
+    captured = buffers()
+    backend = get_backend("host")
+    graph = backend.new_graph()
+    session = CaptureSession(backend, graph, "draft", RuntimeMode.FULL, None)
+    with capture_session(session), backend.capture(graph):  # as a GraphWrapper captures
+        sample(captured)
+    later = buffers()
+    later["logits"].copy_(torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)))
+    later["temperature"].copy_(torch.tensor([0.7, 0.0, 1.3, 0.0]))
+    later["column"].fill_(1)
+    for name, tensor in later.items():
+        captured[name].copy_(tensor)
+    backend.replay(graph)
+    sample(later)
+    for name in ("local_argmax", "local_max", "cache"):
+        assert torch.equal(captured[name], later[name]), name
+    assert torch.equal(later["cache"][2, 1], later["logits"][0])  # the padding row stored none
+    assert torch.equal(later["cache"][0, 1], later["logits"][1])
+    assert later["cache"][:, 0].count_nonzero() == 0

@@ -257,14 +257,23 @@ def _gumbel_sample(
     murmur3 stream of (seed, position, token id); rows whose request state is
     negative are greedy. With a logits cache, each row's logits (from
     ``logits_cache_source_ptr``) are stored in its request's cache column first.
+
+    Inside a graph capture (V2's drafter graphs sample drafts with it) no value of a
+    tensor is read on the host: noise is computed for every row and kept where the
+    temperature is not 0, where outside captures only rows with a temperature get
+    noise (a greedy batch none).
     """
     reqs = expanded_idx_mapping_ptr.long()
     valid = reqs >= 0
     reqs = reqs.clamp(min=0)
     if logits_cache_ptr is not None:
         columns = logits_cache_col_ptr if PER_TOKEN_COL else logits_cache_col_ptr.expand(len(reqs))
-        source = logits_cache_source_ptr[valid, :vocab_size]
-        logits_cache_ptr[reqs[valid], columns.long()[valid], :vocab_size] = source
+        _store_valid_rows(
+            logits_cache_ptr[..., :vocab_size],
+            (reqs, columns.long()),
+            logits_cache_source_ptr[:, :vocab_size],
+            valid,
+        )
     temperature = torch.where(valid, temp_ptr[reqs].float(), 0.0)[:, None]
     logits = logits_ptr[:, :vocab_size].float()
     if APPLY_TEMPERATURE:
@@ -272,10 +281,15 @@ def _gumbel_sample(
     if USE_FP64:
         logits = logits.double()
     noisy = (temperature != 0).squeeze(1)
-    if bool(noisy.any()):
+    salt = _DRAFT_NOISE_SALT if IS_DRAFTING else 0
+    keys = torch.arange(vocab_size)
+    if _capturing():
+        seeds = torch.where(valid, seeds_ptr[reqs].long(), 0)[:, None]
+        noise = _gumbel_noise(seeds, pos_ptr.long()[:, None] + salt, keys, USE_FP64)
+        logits = torch.where(noisy[:, None], logits + noise, logits)
+    elif bool(noisy.any()):
         seeds = torch.where(valid, seeds_ptr[reqs].long(), 0)[noisy, None]
-        positions = pos_ptr.long()[noisy, None] + (_DRAFT_NOISE_SALT if IS_DRAFTING else 0)
-        keys = torch.arange(vocab_size)
+        positions = pos_ptr.long()[noisy, None] + salt
         logits[noisy] += _gumbel_noise(seeds, positions, keys, USE_FP64)
     num_blocks = local_argmax_ptr.shape[1]
     padded = torch.full(
@@ -285,6 +299,31 @@ def _gumbel_sample(
     values, indices = padded.view(logits.shape[0], num_blocks, BLOCK_SIZE).max(dim=-1)
     local_argmax_ptr.copy_(indices + torch.arange(num_blocks) * BLOCK_SIZE)
     local_max_ptr.copy_(values)
+
+
+def _store_valid_rows(
+    target: torch.Tensor,
+    index: tuple[torch.Tensor, ...],
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+) -> None:
+    """``target[index[0][i], index[1][i], ...] = rows[i]`` for each valid ``i``, with
+    shapes independent of the values (a host graph replays it): an invalid ``i``
+    repeats the first valid one's store (a batch without one stores the first
+    indexed row's own values), so every store to a place writes the same value.
+    Valid ``i`` index distinct places."""
+    first = torch.argmax(valid.to(torch.int32))  # 0 when no row is valid
+    source = torch.where(valid, torch.arange(len(valid)), first)
+    where = tuple(i[source] for i in index)
+    values = torch.where(valid.any(), rows[source].to(target.dtype), target[where])
+    target.index_put_(where, values)
+
+
+def _capturing() -> bool:
+    """Whether an npu-graphs graph is being captured (its capture session)."""
+    from npu_graphs.session import active_session
+
+    return active_session() is not None
 
 
 def _gumbel_noise(
