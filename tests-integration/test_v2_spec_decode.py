@@ -19,6 +19,9 @@ The drafters (``test_spec_decode.py``'s checkpoints) draft ``k = 2`` tokens:
 * ``mtp2``: the same DeepSeek-V3 with two MTP layers (vLLM's multi-module MTP), both
   modules in one graph per verify batch size.
 
+The MTP layer also runs under FULL_AND_PIECEWISE (compiled, as vLLM compiles the
+drafter with the target), where mixed batches replay PIECEWISE pieces.
+
 The target's graphs are captured at first use (host mode's default); the drafter's at
 start-up.
 
@@ -47,13 +50,20 @@ DRAFT_GRAPHS = {"eagle": 4, "mtp": 4, "mtp2": 3}
 METHODS = tuple(DRAFT_GRAPHS)
 TARGETS = {"eagle": "llama", "mtp": "mtp", "mtp2": "mtp"}  # the MTP layers: same target
 MODES = ("eager", "FULL_DECODE_ONLY")
+# And the MTP layer under FULL_AND_PIECEWISE: vLLM compiles the drafter as the target, so
+# draft prefills of mixed batches replay its pieces (the bridge's).
+RUNS = [(method, mode) for method in METHODS for mode in MODES] + [("mtp", "FULL_AND_PIECEWISE")]
 
 
-def _graphs(mode: str, **compilation) -> dict:
-    if mode == "eager":
+def _graphs(graph_mode: str, **compilation) -> dict:
+    if graph_mode == "eager":
         return dict(enforce_eager=True, compilation_config=compilation)
-    compilation.update(cudagraph_mode=mode, cudagraph_capture_sizes=CAPTURE_SIZES)
+    compilation.update(cudagraph_mode=graph_mode, cudagraph_capture_sizes=CAPTURE_SIZES)
     return dict(enforce_eager=False, compilation_config=compilation)
+
+
+def _compiled(mode: str) -> dict:
+    return {"mode": "VLLM_COMPILE"} if mode == "FULL_AND_PIECEWISE" else {}
 
 
 def _eagle(draft) -> dict:
@@ -70,7 +80,8 @@ def _mtp_engine(model, mode: str, **options) -> dict:
     ]
     return {
         **test_spec_decode.MTP_ENGINE,
-        **_graphs(mode, custom_ops=["none"]),  # as test_spec_decode's MTP engines
+        # As test_spec_decode's MTP engines (and compiled for PIECEWISE pieces).
+        **_graphs(mode, custom_ops=["none"], **_compiled(mode)),
         "model": str(model),
         "prompts": prompts,
         "max_tokens": test_spec_decode.MTP_MAX_TOKENS,
@@ -101,6 +112,9 @@ def results(checkpoints, tmp_path_factory) -> dict[str, dict]:
         }
         v2_engines[f"mtp-{mode}"] = _mtp_engine(mtp_model, mode, speculative_config=MTP)
         v2_engines[f"mtp2-{mode}"] = _mtp_engine(mtp2_model, mode, speculative_config=MTP)
+    v2_engines["mtp-FULL_AND_PIECEWISE"] = _mtp_engine(
+        mtp_model, "FULL_AND_PIECEWISE", speculative_config=MTP
+    )
     v2_engines["eagle-stale"] = {
         **v2_engines["eagle-FULL_DECODE_ONLY"],
         "skip_draft_updates": True,
@@ -129,8 +143,7 @@ def test_v2_without_speculation_equals_v1(results, model):
     assert all(v2["tokens"]), v2["tokens"]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("method", "mode"), RUNS)
 def test_speculation_keeps_greedy_tokens(results, method, mode):
     result = results[f"{method}-{mode}"]
     _check_ran_on_v2(result)
@@ -156,6 +169,8 @@ def test_speculation_keeps_greedy_tokens(results, method, mode):
     assert counters["draft_captured"] == DRAFT_GRAPHS[method], counters
     assert counters["draft_task_updates"] == counters["draft_replayed_steps"] > 0, counters
     assert counters["draft_other_forwards"] > 0, counters
+    if mode == "FULL_AND_PIECEWISE":  # mixed steps of the target or drafter: pieces
+        assert counters["replayed_pieces"] > 0, counters
     # The graphs drafted what the eager drafter drafted, proposal by proposal.
     assert result["drafts"] == results[f"{method}-eager"]["drafts"]
 
