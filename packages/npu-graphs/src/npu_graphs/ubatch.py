@@ -197,14 +197,8 @@ class MicroBatchRunner:
             ValueError: not one step per micro-batch, no task registry, or no graph.
             TaskUpdateError: a step does not fit what its micro-batch captured.
         """
-        if len(steps) != len(splits):
-            raise ValueError(
-                f"{len(splits)} micro-batches {list(splits)} need one step each, got {len(steps)}"
-            )
-        tasks = self._graph.tasks
-        if tasks is None:
-            raise ValueError("this MicroBatchRunner has no task registry (tasks=) to update")
-        tasks.update(self.graph_key(key, splits), PerMicroBatch(steps))
+        update, _ = self._task_update(key, splits, steps)
+        update()
 
     def replay_with_update(
         self, key: Hashable, splits: Sequence[int], inputs: Any, steps: Sequence[Any]
@@ -219,6 +213,17 @@ class MicroBatchRunner:
             KeyError: no graph of ``splits`` under ``key``.
         """
         splits = tuple(splits)
+        update, graph_key = self._task_update(key, splits, steps)
+        return self._graph.replay_with_update(graph_key, update, inputs, splits)
+
+    def _task_update(
+        self, key: Hashable, splits: Sequence[int], steps: Sequence[Any]
+    ) -> tuple[Callable[[], None], Hashable]:
+        """The update bringing micro-batch ``i``'s tasks to ``steps[i]``, and the graph's key.
+
+        Raises:
+            ValueError: not one step per micro-batch, or no task registry.
+        """
         if len(steps) != len(splits):
             raise ValueError(
                 f"{len(splits)} micro-batches {list(splits)} need one step each, got {len(steps)}"
@@ -228,9 +233,7 @@ class MicroBatchRunner:
             raise ValueError("this MicroBatchRunner has no task registry (tasks=) to update")
         graph_key = self.graph_key(key, splits)
         per_micro_batch = PerMicroBatch(steps)
-        return self._graph.replay_with_update(
-            graph_key, lambda: tasks.update(graph_key, per_micro_batch), inputs, splits
-        )
+        return lambda: tasks.update(graph_key, per_micro_batch), graph_key
 
     def reset(self) -> None:
         """Drop every captured overlapped graph and its tasks."""

@@ -70,6 +70,7 @@ from npu_graphs import (
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.wrapper import (
     BridgeGraphWrapper,
+    RunnableProxy,
     graph_backend_name,
     is_decode_step,
     per_layer_metadata,
@@ -191,7 +192,7 @@ def micro_batch_collective() -> Iterator[None]:
     running.hand_over()
 
 
-class BridgeUBatchWrapper:
+class BridgeUBatchWrapper(RunnableProxy):
     """The model, run as vLLM's micro-batches where vLLM splits a step.
 
     Args:
@@ -407,13 +408,3 @@ class BridgeUBatchWrapper:
         self.runner.reset()
         if self.inner is not None:
             self.inner.clear_graphs()
-
-    def unwrap(self) -> Callable[..., Any]:
-        runnable = self.runnable
-        return runnable.unwrap() if hasattr(runnable, "unwrap") else runnable
-
-    def __getattr__(self, name: str) -> Any:
-        runnable = self.__dict__.get("runnable")
-        if runnable is None:
-            raise AttributeError(name)
-        return getattr(runnable, name)

@@ -60,7 +60,24 @@ def track_wrapper(wrapper: Any) -> None:
     _WRAPPERS.add(wrapper)
 
 
-class BridgeGraphWrapper:
+class RunnableProxy:
+    """What vLLM reads of a model through its wrappers: ``unwrap()`` and the wrapped
+    runnable's attributes."""
+
+    runnable: Any
+
+    def unwrap(self) -> Callable[..., Any]:
+        runnable = self.runnable
+        return runnable.unwrap() if hasattr(runnable, "unwrap") else runnable
+
+    def __getattr__(self, name: str) -> Any:
+        runnable = self.__dict__.get("runnable")
+        if runnable is None:
+            raise AttributeError(name)
+        return getattr(runnable, name)
+
+
+class BridgeGraphWrapper(RunnableProxy):
     """Static graph wrapper for vLLM 0.32 (``Platform.get_static_graph_wrapper_cls``).
 
     Args:
@@ -175,16 +192,6 @@ class BridgeGraphWrapper:
 
     def clear_graphs(self) -> None:
         self.graphs.reset()
-
-    def unwrap(self) -> Callable[..., Any]:
-        runnable = self.runnable
-        return runnable.unwrap() if hasattr(runnable, "unwrap") else runnable
-
-    def __getattr__(self, name: str) -> Any:
-        runnable = self.__dict__.get("runnable")
-        if runnable is None:
-            raise AttributeError(name)
-        return getattr(runnable, name)
 
 
 class StageTensors(NamedTuple):
