@@ -18,18 +18,9 @@ SKIP_UPDATES_ENV = "NPU_BRIDGE_TEST_SKIP_TASK_UPDATES"
 
 
 def main() -> None:
-    from npu_vllm_bridge.worker.host import HostWorker
-
     built: list[str] = []
     skipped: list[object] = []
-    make_runner = HostWorker._bridge_model_runner
-
-    def recording_make_runner(worker):
-        runner = make_runner(worker)
-        built.append(type(runner).__name__)
-        return runner
-
-    HostWorker._bridge_model_runner = recording_make_runner
+    record_model_runners(built)
     if os.environ.get(SKIP_UPDATES_ENV) == "1":
         from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager
 
@@ -41,6 +32,20 @@ def main() -> None:
 
     engine_runner._bridge_counters = counters_and_runners
     engine_runner.main()
+
+
+def record_model_runners(built: list[str]) -> None:
+    """Append the class name of every model runner the host worker builds to ``built``."""
+    from npu_vllm_bridge.worker.host import HostWorker
+
+    make_runner = HostWorker._bridge_model_runner
+
+    def recording_make_runner(worker):
+        runner = make_runner(worker)
+        built.append(type(runner).__name__)
+        return runner
+
+    HostWorker._bridge_model_runner = recording_make_runner
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import spec_runner
+from v2_runner import record_model_runners
 
 
 def main() -> None:
@@ -28,20 +29,11 @@ def main() -> None:
         TargetDependentARSpeculator,
     )
 
-    from npu_vllm_bridge.worker.host import HostWorker
-
     built: list[str] = []
     drafts: list[list[list[int]]] = []
     generating: list[bool] = []
 
-    make_runner = HostWorker._bridge_model_runner
-
-    def recording_make_runner(worker):
-        runner = make_runner(worker)
-        built.append(type(runner).__name__)
-        return runner
-
-    HostWorker._bridge_model_runner = recording_make_runner
+    record_model_runners(built)
 
     for cls in (TargetDependentARSpeculator, MultiModuleMTPSpeculator):
         cls.propose = _recording_propose(cls.propose, drafts, generating)
