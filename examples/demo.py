@@ -77,8 +77,8 @@ def print_graph_counters(enforce_eager: bool) -> None:
     c = graph_counters()
     print(
         f"Graphs: {c.captured} recorded in {c.capture_seconds:.1f} s (one per FULL batch "
-        "size, one per piece of each PIECEWISE batch size; on vLLM's V1 runner host mode "
-        "records each size's at its first step), holding "
+        "size, one per piece of each PIECEWISE batch size; host mode records each size's "
+        "at its first step), holding "
         f"{c.capture_bytes / 2**20:.1f} MiB (estimated {c.estimated_bytes / 2**20:.1f} MiB "
         "before the KV cache was sized)."
     )
