@@ -22,7 +22,8 @@ attention in every batch state.
 Prefill context parallel (PCP, ``prefill_context_parallel_size`` P): the query
 tokens of each prefill are cut into 2P chunks and rank ``r`` computes chunks ``r``
 and ``2P - 1 - r`` (``pcp_query_chunks``), over the whole KV (which vLLM gathers
-to every rank); ``pcp_local_batch`` gives the rank's batch for ``plan``.
+to every rank); ``pcp_local_batch`` gives the rank's batch for ``plan``, and
+``pcp_write_plan`` the plan that writes the rows gathered from every rank.
 """
 
 from __future__ import annotations
@@ -270,8 +271,44 @@ def merge_attention_states(
 
 
 # ------------------------------------------------------------------ PCP
-# Not used by the vLLM bridge today (it does not take prefill context parallelism);
-# for engines that split prefills over ranks as vLLM 0.32 does.
+
+
+def pcp_write_plan(
+    plan: AttentionPlan, slot_mapping: Any, *, num_blocks: int | None = None
+) -> AttentionPlan:
+    """A plan that writes the cache rows gathered from every PCP rank.
+
+    Under PCP a rank attends only its own chunks' query rows (``plan``), but its
+    cache must hold every rank's new keys: vLLM 0.32's MLA layer all-gathers the
+    step's latent rows over the PCP group (rank after rank, each padded to the same
+    count) and writes them at a gathered slot mapping, ``-1`` for padding and for
+    rows another rank writes. The result is ``plan`` with that ``slot_mapping`` and
+    ``num_actual_tokens = len(slot_mapping)``, for ``mla_write_cache`` with the
+    gathered rows; it is for writing only (attend with ``plan``).
+
+    Args:
+        plan: the rank's plan (any spec).
+        slot_mapping: int ``[num_gathered_rows]``, host or ``plan.device``.
+        num_blocks: the cache's blocks, to check host slots against (optional).
+
+    Raises:
+        TypeError / ValueError: a slot mapping that is not 1-D integers, or a host
+            slot past ``num_blocks``.
+    """
+    slots = _inputs.as_int_tensor(slot_mapping, "slot_mapping", ndim=1)
+    _inputs.check_slot_mapping(slots, slots.shape[0], plan.spec.block_size, num_blocks)
+    written = dataclasses.replace(
+        plan,
+        num_actual_tokens=int(slots.shape[0]),
+        slot_mapping=_inputs.to_device(slots, plan.device, torch.int64),
+        provider_data=None,
+    )
+    written.provider_data = plan.provider.prepare(written)
+    return written
+
+
+# PCPLocalBatch and pcp_query_chunks are not used by the vLLM bridge (vLLM splits the
+# batch itself); they are for engines that split prefills over ranks as vLLM 0.32 does.
 
 
 @dataclass(frozen=True)

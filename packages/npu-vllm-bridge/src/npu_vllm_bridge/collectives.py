@@ -6,7 +6,9 @@ vLLM's CPU communicator reduces either through its shared-memory kernel
 threads where no op recorder can see it, and returns a ``Work`` that must be waited on.
 In host mode the first is recorded whole; the second is routed through
 ``npu_vllm_bridge::host_all_reduce_``, one custom op that reduces in place and waits,
-recorded whole. Both are then re-issued by every replay, in the order captured, on every
+recorded whole. Its all-gather (prefill context parallelism gathers every rank's latent
+rows in each MLA layer) goes the same two ways: ``shm_all_gather`` recorded whole, or
+``npu_vllm_bridge::host_all_gather_``. Both are then re-issued by every replay, in the order captured, on every
 rank (ranks replay the same graphs step by step, as their eager steps run the same ops).
 
 Decode context parallelism exchanges tensors between the ranks of vLLM's DCP group in
@@ -71,8 +73,9 @@ def all_to_all_(out: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
     torch.ops.npu_vllm_bridge.host_all_to_all_(out, input, group_handle(group))
 
 
-class RecordedAllReduce:
-    """``torch.distributed`` for a communicator, whose sum all-reduce is one custom op."""
+class RecordedCollectives:
+    """``torch.distributed`` for a communicator, whose sum all-reduce and all-gather
+    into a tensor are one custom op each."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
@@ -86,10 +89,20 @@ class RecordedAllReduce:
         all_reduce_(tensor, group)
         return None
 
+    @staticmethod
+    def all_gather_into_tensor(
+        output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> None:
+        if async_op or group is None:
+            return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        all_gather_(output, input, group)
+        return None
 
-def record_all_reduce_whole(communicators: list[Any]) -> None:
-    """Make the all-reduce of vLLM's CPU ``communicators`` and the bridge's DCP collectives
-    replayable by host graphs."""
+
+def record_collectives_whole(communicators: list[Any]) -> None:
+    """Make the all-reduce and all-gather of vLLM's CPU ``communicators`` (its tensor-
+    and prefill-context-parallel groups) and the bridge's own collectives replayable by
+    host graphs."""
     from npu_graphs.backends.host import HostGraphBackend
 
     ops = torch.ops.npu_vllm_bridge
@@ -98,10 +111,11 @@ def record_all_reduce_whole(communicators: list[Any]) -> None:
         ops.host_all_gather_.default,
         ops.host_all_to_all_.default,
     ]
-    shm = getattr(torch.ops._C, "shm_allreduce", None)
-    if shm is not None:
-        whole.append(shm.default)
+    for name in ("shm_allreduce", "shm_all_gather"):
+        shm = getattr(torch.ops._C, name, None)
+        if shm is not None:
+            whole.append(shm.default)
     HostGraphBackend.record_whole(*whole)
     for communicator in communicators:
         if getattr(communicator, "dist_module", None) is dist:
-            communicator.dist_module = RecordedAllReduce()
+            communicator.dist_module = RecordedCollectives()

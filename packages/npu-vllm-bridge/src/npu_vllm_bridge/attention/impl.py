@@ -31,7 +31,7 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
     can_return_lse_for_decode: bool = True
     lse_base_on_e: bool = True
     supports_dcp: bool = True
-    supports_pcp: bool = False  # query rows are the last positions of their sequence
+    supports_pcp: bool = False  # vLLM 0.32 runs prefill context parallelism for MLA only
 
     def __init__(
         self,

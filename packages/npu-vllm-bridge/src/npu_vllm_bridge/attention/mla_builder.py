@@ -16,6 +16,7 @@ from vllm.config import VllmConfig
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from npu_attention import AttentionPlan
+from npu_attention.context_parallel import pcp_write_plan
 from npu_attention.mla import MLASpec
 from npu_vllm_bridge.attention.builder import (
     BridgeBuilderBase,
@@ -61,6 +62,9 @@ class BridgeMLAMetadata:
             ``decode is not None`` before ``forward_mqa``).
         query_start_loc: vLLM's device query offsets; under DCP vLLM's layer hands
             them to the DCP manager, whose bridge version does not read them.
+        write_plan: under prefill context parallelism, the plan of the latent write
+            (``pcp_write_plan``): vLLM's layer writes the rows of every PCP rank, at the
+            group's gathered slot mapping; otherwise ``None`` and ``plan`` writes.
     """
 
     plan: AttentionPlan
@@ -72,6 +76,7 @@ class BridgeMLAMetadata:
     decode: MLARows | None
     prefill: MLARows | None
     query_start_loc: torch.Tensor | None = None
+    write_plan: AttentionPlan | None = None
 
 
 def pad_requests(
@@ -158,7 +163,14 @@ class BridgeMLAMetadataBuilder(BridgeBuilderBase[BridgeMLAMetadata]):
     def pad(self, query_lens: list[int], seq_lens: list[int], num_tokens: int) -> int:
         return pad_requests(query_lens, seq_lens, num_tokens, self.max_decode_len)
 
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.pcp_size = vllm_config.parallel_config.prefill_context_parallel_size
+
     def plan_step(self, cm: CommonAttentionMetadata, lengths: StepLengths) -> BridgeMLAMetadata:
+        """Under PCP vLLM hands each rank a batch of its own: each chunk of a prefill is
+        a request whose ``seq_lens`` end at the chunk, so ``plan`` attends it causally
+        over the whole sequence; only the write differs (``write_plan``)."""
         query_lens, seq_lens, num_real = lengths.query_lens, lengths.seq_lens, lengths.num_real
         if self.dcp is not None:
             return self._plan_dcp(cm, query_lens[:num_real], seq_lens[:num_real])
@@ -177,6 +189,7 @@ class BridgeMLAMetadataBuilder(BridgeBuilderBase[BridgeMLAMetadata]):
             num_prefills=plan.num_prefills,
             decode=MLARows(plan.num_decodes, decode_rows) if decode_rows else None,
             prefill=MLARows(plan.num_prefills, prefill_rows) if plan.num_prefills else None,
+            write_plan=pcp_write_plan(plan, cm.slot_mapping) if self.pcp_size > 1 else None,
         )
 
     def _plan_dcp(

@@ -50,7 +50,9 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
     # shard the latent cache over its DCP group (mla_context_parallel.py).
     can_return_lse_for_decode: bool = True
     supports_dcp: bool = True
-    supports_pcp: bool = False  # query rows are the last positions of their sequence
+    # vLLM's PCP flag: each chunk of a rank's prefill is a request of the rank's batch,
+    # and the rows vLLM gathers from every rank are written by the step's write_plan.
+    supports_pcp: bool = True
 
     def __init__(self, **layer_args: Any) -> None:
         """vLLM's ``MLAAttention`` passes the impl's arguments by keyword: those of
@@ -81,7 +83,8 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         kv_cache_dtype: str,
         k_scale: torch.Tensor,
     ) -> None:
-        """Write the step's latents at the plan's slots (the same slots vLLM passes)."""
+        """Write the step's latents at the plan's slots (the same slots vLLM passes; under
+        PCP the rows of every rank, at the group's gathered slots)."""
         if kv_cache.numel() == 0:
             return
         layer_name = self.layer_name()

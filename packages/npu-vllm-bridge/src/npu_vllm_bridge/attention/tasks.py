@@ -44,6 +44,12 @@ def plan_args(attn_metadata: Any) -> dict[str, AttentionPlan]:
     return {"plan": attn_metadata.plan}
 
 
+def mla_write_args(attn_metadata: Any) -> dict[str, AttentionPlan]:
+    """An MLA layer's write arguments: under PCP the gathered write's plan, else its plan."""
+    write_plan = attn_metadata.write_plan
+    return {"plan": attn_metadata.plan if write_plan is None else write_plan}
+
+
 def dcp_plan_args(attn_metadata: Any) -> dict[str, AttentionPlan]:
     """A layer's step arguments under decode context parallelism: its two plans."""
     plans = attn_metadata.dcp
@@ -116,10 +122,11 @@ def run_mla_write_cache(
     kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, attn_metadata: Any, *,
     layer_name: str,
 ) -> None:  # fmt: skip
-    """``mla_write_cache`` of one layer (slots from the plan) as a task."""
+    """``mla_write_cache`` of one layer (slots from the plan; under PCP, rows and slots
+    of every rank, from ``write_plan``) as a task."""
     call_task(
         _mla_write, kv_c, k_pe, cache,
-        step=attn_metadata, derive=plan_args, name=layer_name,
+        step=attn_metadata, derive=mla_write_args, name=layer_name,
     )  # fmt: skip
 
 

@@ -4,17 +4,12 @@ Decode context parallelism (``decode_context_parallel_size`` > 1) runs for GQA/M
 models with full attention (``attention/context_parallel.py``; vLLM itself checks
 the head counts: a tensor-parallel size above the KV heads) and for MLA models
 (``attention/mla_context_parallel.py``) whose provider returns the log-sum-exp.
-Refused here:
+Prefill context parallelism (``prefill_context_parallel_size`` > 1) runs where vLLM
+0.32 runs it, in its V2 model runner for MLA models (``mla_builder.py``: each chunk of
+a rank's prefill is a request of the rank's batch, and the rows vLLM's layer gathers
+from every rank are written by the step's ``write_plan``). Refused here:
 
-* prefill context parallelism: vLLM 0.32 runs it only in its V2 model runner (the
-  bridge's V2 runners take it there), for MLA models: each rank holds two chunks of a
-  prefill's rows (vLLM's DualChunkSwap), causal over the whole sequence, and vLLM's
-  MLA layer gathers the latent rows of every rank before the cache write. The bridge's
-  attention plans take a request's query rows as the last ``query_len`` positions of
-  its sequence; they have no row positions of their own, so a rank's second chunk
-  would see the wrong keys (on the tiny DeepSeek-V3-shaped test model, PCP=2 through
-  the bridge's V2 host mode ran and answered other tokens than PCP=1 and
-  transformers). ``supports_pcp`` is off on both impls;
+* prefill context parallelism with speculative decoding (not run through the bridge);
 * DCP with MLA models on a provider whose MLA decode returns no log-sum-exp (its
   class declares ``returns_lse = False``; the reference, triton and ascend MLA
   providers return it, the ascend one through ATB's MultiLatentAttention);
@@ -36,13 +31,12 @@ def check_context_parallel(vllm_config: VllmConfig) -> None:
     """Refuse the context-parallel setups the bridge cannot run (``ValueError``)."""
     parallel = vllm_config.parallel_config
     pcp = getattr(parallel, "prefill_context_parallel_size", 1)
-    if pcp > 1:
+    if pcp > 1 and vllm_config.speculative_config is not None:
         raise ValueError(
-            f"{PREFIX} does not support prefill context parallelism (prefill_context_"
-            f"parallel_size={pcp}; expected 1): a rank's prefill rows are two chunks of "
-            "the sequence (vLLM's DualChunkSwap), and the bridge's attention plans take "
-            "query rows as the last positions of their sequence; use "
-            "prefill_context_parallel_size=1 (decode context parallelism runs)"
+            f"{PREFIX} does not run prefill context parallelism (prefill_context_parallel_"
+            f"size={pcp}) with speculative decoding (method="
+            f"{vllm_config.speculative_config.method!r}); use prefill_context_parallel_size=1 "
+            "or no speculative_config"
         )
     dcp = getattr(parallel, "decode_context_parallel_size", 1)
     if dcp == 1:

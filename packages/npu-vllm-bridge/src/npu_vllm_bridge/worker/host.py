@@ -11,7 +11,8 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
-from npu_vllm_bridge.collectives import record_all_reduce_whole
+from npu_vllm_bridge.collectives import record_collectives_whole
+from npu_vllm_bridge.graphs.counters import log_graph_counters_at_shutdown
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
 
@@ -63,7 +64,7 @@ class HostWorker(CPUWorker):
     """vLLM's ``CPUWorker`` with the bridge's runner of the model runner vLLM selected:
     :class:`HostModelRunner` (V1), or ``HostModelRunnerV2`` (``host_v2.py``); captures
     graphs after warm-up. Micro-batch overlap held by the platform is switched back on
-    first (``graphs/ubatch_config.py``)."""
+    first (``graphs/ubatch_config.py``). Logs its graph counters at shutdown."""
 
     def init_device(self) -> None:
         restore_micro_batching(self.vllm_config)
@@ -71,9 +72,10 @@ class HostWorker(CPUWorker):
         self.model_runner = self._bridge_model_runner()
         if self.model_config.enforce_eager:
             return
-        from vllm.distributed.parallel_state import get_tp_group
+        from vllm.distributed.parallel_state import get_pcp_group, get_tp_group
 
-        record_all_reduce_whole([get_tp_group().device_communicator])
+        groups = [get_tp_group(), get_pcp_group()]
+        record_collectives_whole([group.device_communicator for group in groups])
 
     def _bridge_model_runner(self) -> Any:
         if not self.use_v2_model_runner:
@@ -107,3 +109,7 @@ class HostWorker(CPUWorker):
         if not self.model_config.enforce_eager:
             self.model_runner.capture_model()
         return times
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        log_graph_counters_at_shutdown(self.parallel_config.data_parallel_rank, self.rank)
