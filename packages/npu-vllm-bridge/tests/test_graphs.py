@@ -353,3 +353,22 @@ def test_decode_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypa
     # large runs eagerly by design), and only the first is logged.
     assert counters.eager_steps == 4 and counters.off_grid_steps == 2, counters
     assert len(warnings) == 1 and warnings[0][1:] == (largest + 4, largest), warnings
+
+
+def test_counters_are_written_per_rank_where_asked(tmp_path, monkeypatch):
+    import json
+
+    from npu_vllm_bridge.graphs.counters import COUNTERS_DIR_ENV, write_counters_where_asked
+
+    reset_graph_counters()
+    monkeypatch.delenv(COUNTERS_DIR_ENV, raising=False)
+    write_counters_where_asked(0, 0)  # not asked: nothing written anywhere
+    monkeypatch.setenv(COUNTERS_DIR_ENV, str(tmp_path))
+    graph_counters().split_steps = 3
+    write_counters_where_asked(1, 0)
+    graph_counters().split_steps = 4
+    write_counters_where_asked(1, 0)  # replaced whole, no partial file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dp1-rank0.json"]
+    written = json.loads((tmp_path / "dp1-rank0.json").read_text())
+    assert written == graph_counters().as_dict() and written["split_steps"] == 4
+    reset_graph_counters()

@@ -3,8 +3,11 @@ micro-batched (DBO) steps ran."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from vllm.logger import init_logger
 
@@ -126,6 +129,26 @@ def count_eager_step(
             num_tokens,
             largest,
         )
+
+
+COUNTERS_DIR_ENV = "NPU_BRIDGE_COUNTERS_DIR"
+
+
+def write_counters_where_asked(data_parallel_rank: int, rank: int) -> None:
+    """After a worker's step: write this process's counters as JSON to
+    ``dp<D>-rank<R>.json`` in the directory ``NPU_BRIDGE_COUNTERS_DIR`` names (nothing
+    when it is unset), replacing the file whole, so a reader never sees half of it.
+
+    A server's workers are processes of their own, and vLLM hands a utility call's
+    answer back from the first data-parallel engine only; these files are how each
+    rank's captures, replays and micro-batched steps reach a caller (the tests)."""
+    directory = os.environ.get(COUNTERS_DIR_ENV)
+    if not directory:
+        return
+    path = Path(directory) / f"dp{data_parallel_rank}-rank{rank}.json"
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(graph_counters().as_dict()))
+    os.replace(partial, path)
 
 
 def reset_graph_counters() -> None:

@@ -12,7 +12,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
 from npu_vllm_bridge.collectives import record_collectives_whole
-from npu_vllm_bridge.graphs.counters import log_graph_counters_at_shutdown
+from npu_vllm_bridge.graphs.counters import write_counters_where_asked
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
 
@@ -64,7 +64,8 @@ class HostWorker(CPUWorker):
     """vLLM's ``CPUWorker`` with the bridge's runner of the model runner vLLM selected:
     :class:`HostModelRunner` (V1), or ``HostModelRunnerV2`` (``host_v2.py``); captures
     graphs after warm-up. Micro-batch overlap held by the platform is switched back on
-    first (``graphs/ubatch_config.py``). Logs its graph counters at shutdown."""
+    first (``graphs/ubatch_config.py``). Writes its graph counters after every step where
+    ``NPU_BRIDGE_COUNTERS_DIR`` asks for them (``graphs/counters.py``)."""
 
     def init_device(self) -> None:
         restore_micro_batching(self.vllm_config)
@@ -110,6 +111,7 @@ class HostWorker(CPUWorker):
             self.model_runner.capture_model()
         return times
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        log_graph_counters_at_shutdown(self.parallel_config.data_parallel_rank, self.rank)
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().execute_model(*args, **kwargs)
+        write_counters_where_asked(self.parallel_config.data_parallel_rank, self.rank)
+        return output

@@ -22,6 +22,7 @@ from vllm.v1.worker.utils import request_memory
 
 from npu_vllm_bridge.attention.kv_cache import refuse_kv_cache_zeroing
 from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
+from npu_vllm_bridge.graphs.counters import write_counters_where_asked
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
 
@@ -73,7 +74,8 @@ class NPUModelRunner(GraphRunnerMixin, GPUModelRunner):
 
 
 class NPUWorker(Worker):
-    """vLLM's GPU ``Worker`` set up on ``npu:<local_rank>`` with HCCL."""
+    """vLLM's GPU ``Worker`` set up on ``npu:<local_rank>`` with HCCL; writes its graph
+    counters after every step where ``NPU_BRIDGE_COUNTERS_DIR`` asks for them."""
 
     def init_device(self) -> None:
         route_cuda_to_npu()
@@ -94,6 +96,11 @@ class NPUWorker(Worker):
         self.init_snapshot = MemorySnapshot(device=self.device)
         self.requested_memory = request_memory(self.init_snapshot, self.cache_config, 0)
         self._init_workspace_and_model_runner()
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().execute_model(*args, **kwargs)
+        write_counters_where_asked(self.parallel_config.data_parallel_rank, self.rank)
+        return output
 
     def _make_model_runner(self) -> Any:
         return self.model_runner_class()(self.vllm_config, self.device)
