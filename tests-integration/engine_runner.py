@@ -51,9 +51,15 @@ def _bridge_counters(worker=None) -> dict:
         "counters": graph_counters().as_dict(),
         "vllm_cudagraph_captured": compilation_counter.num_cudagraph_captured,
         "model_runner": worker and type(worker.model_runner).__name__,
+        "pcp_world_size": getattr(_pcp_manager(worker), "pcp_world_size", 1),
         # The OpenMP binding vLLM gave this process (set only in CPU worker processes).
         "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "GOMP_"))},
     }
+
+
+def _pcp_manager(worker):
+    """The V2 runner's prefill-context-parallel manager (None: no PCP, or V1)."""
+    return getattr(getattr(worker, "model_runner", None), "pcp_manager", None)
 
 
 def main() -> None:

@@ -7,7 +7,9 @@ The chat answers, eager, with FULL_DECODE_ONLY graphs captured by the bridge's V
 manager and with FULL_AND_PIECEWISE (PIECEWISE pieces from vLLM's compile path), must
 equal those of vLLM's own CPU backend on V1 and of transformers (the ``smollm2_chat``
 fixture). A run whose FULL replays skip their task update must
-answer differently: the check sees a stale plan.
+answer differently: the check sees a stale plan. The tiny DeepSeek-V3-shaped MLA model
+must equal transformers in each mode, alone and with prefill context parallelism over
+two ranks (PCP=2); a Llama-shaped model too over two tensor-parallel ranks (TP=2).
 """
 
 from __future__ import annotations
@@ -64,20 +66,25 @@ def test_full_replays_without_task_update_answer_differently(
     assert result["tokens"][0] != hf[:4], "replays with stale plans gave the right answers"
 
 
+def _mla_graph_options(mode: str) -> dict:
+    """test_mla.py's engine options for one graph mode."""
+    if mode == "eager":
+        return dict(test_mla.EAGER)
+    compilation = {"cudagraph_mode": mode, "cudagraph_capture_sizes": test_mla.CAPTURE_SIZES}
+    if mode == "FULL_AND_PIECEWISE":
+        compilation["mode"] = "VLLM_COMPILE"
+    return dict(compilation_config=compilation)
+
+
 @pytest.mark.parametrize("mode", ["eager", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
 def test_mla_equals_transformers(v2, mla_model, tmp_path, mode):  # noqa: F811
     """The tiny DeepSeek-V3-shaped model (test_mla.py's prompts: chunked prefill, a
     prefix-cache hit) on V2 in each graph mode."""
     model, hf = mla_model
-    options = dict(test_mla.EAGER)
-    if mode != "eager":
-        compilation = {"cudagraph_mode": mode, "cudagraph_capture_sizes": test_mla.CAPTURE_SIZES}
-        if mode == "FULL_AND_PIECEWISE":
-            compilation["mode"] = "VLLM_COMPILE"
-        options = dict(compilation_config=compilation)
     result = run_engine(
-        model, test_mla.ROUNDS, bridge=True, tmp_path=tmp_path, **test_mla.ENGINE, **options
-    )
+        model, test_mla.ROUNDS, bridge=True, tmp_path=tmp_path, **test_mla.ENGINE,
+        **_mla_graph_options(mode),
+    )  # fmt: skip
     assert result.get("model_runners") == ["HostModelRunnerV2"], result.get("error", result)
     test_mla._check(result, hf)
     counters = result["counters"]
@@ -103,11 +110,34 @@ def test_tensor_parallel_equals_transformers(v2, tp_model, tmp_path):  # noqa: F
     assert result["tokens"] == [hf]
 
 
-def test_prefill_context_parallel_is_refused_with_its_reason(v2, mla_model, tmp_path):  # noqa: F811
-    """PCP=2 on the MLA model, where vLLM 0.32 runs it (V2): the bridge's plans have no
-    row positions for a rank's two chunks, so the engine refuses at start-up, naming why
-    (run with the refusal lifted it answered other tokens than PCP=1 and transformers)."""
+@pytest.mark.parametrize("mode", ["eager", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_prefill_context_parallel_equals_one_rank_and_transformers(v2, mla_model, tmp_path, mode):  # noqa: F811
+    """PCP=2 over gloo on the MLA model (vLLM 0.32 runs PCP on V2 only): each rank
+    attends its DualChunkSwap chunks of every prefill and writes the latents gathered
+    from both ranks. Its answers must equal transformers', which V2 with one rank gives
+    (``test_mla_equals_transformers``). Before the gathered write, PCP=2 answered other
+    tokens; before host graphs recorded the PCP group's all-gather, graph replays did."""
+    model, hf = mla_model
+    result = run_engine(
+        model, test_mla.ROUNDS, bridge=True, tmp_path=tmp_path,
+        unset_env=("VLLM_CPU_OMP_THREADS_BIND",), prefill_context_parallel_size=2,
+        **test_mla.ENGINE, **_mla_graph_options(mode),
+    )  # fmt: skip
+    assert "error" not in result, result["error"]
+    ranks = result["rank_counters"]
+    assert [rank["model_runner"] for rank in ranks] == ["HostModelRunnerV2"] * 2, ranks
+    assert [rank["pcp_world_size"] for rank in ranks] == [2, 2], ranks
+    test_mla._check(result, hf)
+    for rank in ranks:
+        counters = rank["counters"]
+        if mode != "eager":
+            assert counters["task_updates"] == counters["replayed_steps"] > 0, counters
+
+
+def test_prefill_context_parallel_with_speculative_decoding_is_refused(v2, mla_model, tmp_path):  # noqa: F811
     model, _ = mla_model
-    error = _refusal(model, tmp_path, prefill_context_parallel_size=2, enforce_eager=True)
-    assert "prefill_context_parallel_size=2; expected 1" in error, error
-    assert "two chunks of the sequence" in error, error
+    error = _refusal(
+        model, tmp_path, prefill_context_parallel_size=2, enforce_eager=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+    )  # fmt: skip
+    assert "prefill context parallelism (prefill_context_parallel_size=2) with speculative" in error

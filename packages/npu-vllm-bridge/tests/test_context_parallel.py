@@ -233,11 +233,12 @@ def test_builder_plans_the_rank_share_padded_requests_get_zero(rank, monkeypatch
 def test_impl_declares_dcp_and_natural_log_lse(monkeypatch):
     import vllm.distributed.parallel_state as parallel_state
 
-    from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
+    from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend, NPUBridgeMLABackend
     from npu_vllm_bridge.attention.impl import BridgeAttentionImpl
 
     assert NPUBridgeAttentionBackend.supports_dcp()
-    assert not NPUBridgeAttentionBackend.supports_pcp()
+    assert not NPUBridgeAttentionBackend.supports_pcp()  # vLLM 0.32 runs PCP for MLA only
+    assert NPUBridgeMLABackend.supports_pcp()
     assert BridgeAttentionImpl.can_return_lse_for_decode and BridgeAttentionImpl.lse_base_on_e
     args = dict(num_heads=LOCAL_HEADS, head_size=HEAD_SIZE, scale=0.125, num_kv_heads=1)
     assert not BridgeAttentionImpl(**args).need_to_return_lse_for_decode  # no DCP group
@@ -268,6 +269,7 @@ def test_context_parallel_checks_accept_dcp_for_gqa_full_attention():
     check_context_parallel(_config())
     check_context_parallel(_config(dcp=2))
     check_context_parallel(_config(dcp=2, use_mla=True))  # reference MLA returns the LSE
+    check_context_parallel(_config(pcp=2, use_mla=True))
 
 
 def test_context_parallel_checks_refuse_mla_dcp_on_a_provider_without_lse(monkeypatch):
@@ -290,11 +292,14 @@ def test_context_parallel_checks_refuse_mla_dcp_on_a_provider_without_lse(monkey
     ("config", "message"),
     [
         (
-            dict(pcp=2),
-            r"prefill context parallelism \(prefill_context_parallel_size=2; expected 1\): "
-            r"a rank's prefill rows are two chunks of the sequence",
+            dict(pcp=2, use_mla=True, speculative=SimpleNamespace(method="mtp")),
+            r"prefill context parallelism \(prefill_context_parallel_size=2\) with "
+            r"speculative decoding \(method='mtp'\)",
         ),
-        (dict(pcp=2, dcp=2), "prefill_context_parallel_size=2"),
+        (
+            dict(pcp=2, dcp=2, use_mla=True),
+            r"together with decode context parallelism \(decode_context_parallel_size=2\)",
+        ),
         (
             dict(dcp=2, speculative=SimpleNamespace(method="ngram")),
             r"with speculative decoding \(method='ngram'\)",

@@ -9,7 +9,8 @@ Prefill context parallelism (``prefill_context_parallel_size`` > 1) runs where v
 a rank's prefill is a request of the rank's batch, and the rows vLLM's layer gathers
 from every rank are written by the step's ``write_plan``). Refused here:
 
-* prefill context parallelism with speculative decoding (not run through the bridge);
+* prefill context parallelism with speculative decoding or with DCP (vLLM 0.32 runs
+  PCP + DCP only for sparse MLA, which the bridge does not run);
 * DCP with MLA models on a provider whose MLA decode returns no log-sum-exp (its
   class declares ``returns_lse = False``; the reference, triton and ascend MLA
   providers return it, the ascend one through ATB's MultiLatentAttention);
@@ -39,6 +40,12 @@ def check_context_parallel(vllm_config: VllmConfig) -> None:
             "or no speculative_config"
         )
     dcp = getattr(parallel, "decode_context_parallel_size", 1)
+    if pcp > 1 and dcp > 1:
+        raise ValueError(
+            f"{PREFIX} does not run prefill context parallelism (prefill_context_parallel_"
+            f"size={pcp}) together with decode context parallelism (decode_context_"
+            f"parallel_size={dcp}); set one of them to 1"
+        )
     if dcp == 1:
         return
     model_config = vllm_config.model_config
