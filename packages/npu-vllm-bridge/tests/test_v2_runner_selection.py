@@ -1,8 +1,11 @@
 """Which model runner the bridge's workers build for the runner vLLM selected (host mode's
 V1 and V2 runners are exercised in vLLM by tests-integration/; the NPU V2 runner's
-graph calls by tests-conformance/test_npu_v2_graphs.py)."""
+graph calls by tests-conformance/test_npu_v2_graphs.py), and the NPU worker's reserve of
+graph memory before the KV cache."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
@@ -46,3 +49,42 @@ def test_the_npu_runners_refuse_kv_caches_vllm_zeroes_by_block(use_v2: bool) -> 
 
     with pytest.raises(ValueError, match="zeroes by block"):
         runner.initialize_kv_cache(ZeroedCache())
+
+
+class _ProfilingRunner:
+    """Stands in for either NPU runner: its graph-memory profile, counted."""
+
+    def __init__(self, graph_bytes: int) -> None:
+        self.graph_bytes, self.calls = graph_bytes, 0
+
+    def profile_cudagraph_memory(self) -> int:
+        self.calls += 1
+        return self.graph_bytes
+
+
+@pytest.mark.parametrize(
+    ("mode", "eager", "kv_cache_memory_bytes", "expected", "profiled"),
+    [
+        ("FULL_AND_PIECEWISE", False, None, 9 << 30, True),
+        ("FULL_DECODE_ONLY", False, None, 9 << 30, True),
+        ("NONE", False, None, 10 << 30, False),
+        ("FULL_AND_PIECEWISE", True, None, 10 << 30, False),
+        ("FULL_AND_PIECEWISE", False, 10 << 30, 10 << 30, False),  # the user's own size
+    ],
+)
+def test_the_npu_worker_reserves_the_profiled_graph_memory_before_the_kv_cache(
+    monkeypatch, mode, eager, kv_cache_memory_bytes, expected, profiled
+) -> None:
+    """vLLM's GPU worker profiles graphs only on CUDA, ROCm and XPU; the NPU worker takes
+    the runner's profile off the KV cache's memory (10 GiB here, 1 GiB of graphs)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu_worker import Worker
+
+    monkeypatch.setattr(Worker, "determine_available_memory", lambda self: 10 << 30)
+    worker = _npu_worker(True)
+    worker.model_runner = _ProfilingRunner(1 << 30)
+    worker.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode])
+    worker.model_config = SimpleNamespace(enforce_eager=eager)
+    worker.cache_config = SimpleNamespace(kv_cache_memory_bytes=kv_cache_memory_bytes)
+    assert worker.determine_available_memory() == expected
+    assert worker.model_runner.calls == int(profiled)

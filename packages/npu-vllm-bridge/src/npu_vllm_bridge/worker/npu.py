@@ -13,6 +13,8 @@ import gc
 from typing import Any
 
 import torch
+from vllm.config import CUDAGraphMode
+from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
@@ -25,6 +27,8 @@ from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
 from npu_vllm_bridge.graphs.counters import write_counters_where_asked
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
+
+logger = init_logger(f"vllm.{__name__}")
 
 # torch.cuda names vLLM's GPU runner and worker call, and their torch.npu twins.
 _CUDA_TO_NPU = (
@@ -58,8 +62,8 @@ def route_cuda_to_npu() -> None:
 
 
 class NPUModelRunner(GraphRunnerMixin, GPUModelRunner):
-    """vLLM's ``GPUModelRunner`` with npu-graphs capture; graph memory is profiled
-    by the bridge's method where vLLM profiles CUDA graphs (before the KV cache)."""
+    """vLLM's ``GPUModelRunner`` with npu-graphs capture; its graph-memory profile is
+    the bridge's estimate, which the NPU worker takes off the KV cache's memory."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -96,6 +100,28 @@ class NPUWorker(Worker):
         self.init_snapshot = MemorySnapshot(device=self.device)
         self.requested_memory = request_memory(self.init_snapshot, self.cache_config, 0)
         self._init_workspace_and_model_runner()
+
+    def determine_available_memory(self) -> int:
+        """vLLM's profile of the memory left for the KV cache, less the graphs' memory
+        as the model runner profiles it (``profile_cudagraph_memory``: V1's through the
+        bridge's capture estimate, V2's by its graph manager). vLLM's GPU worker profiles
+        graphs only on CUDA, ROCm and XPU; an NPU's graphs take device memory too. A
+        ``kv_cache_memory_bytes`` the user set is kept as given."""
+        available = super().determine_available_memory()
+        graphs_on = self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+        if (
+            not graphs_on
+            or self.model_config.enforce_eager
+            or self.cache_config.kv_cache_memory_bytes
+        ):
+            return available
+        graphs = self.model_runner.profile_cudagraph_memory()
+        logger.info(
+            "KV cache gets %.2f GiB after %.2f MiB reserved for graphs",
+            max(available - graphs, 0) / 2**30,
+            graphs / 2**20,
+        )
+        return max(available - graphs, 0)
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         output = super().execute_model(*args, **kwargs)
