@@ -65,3 +65,19 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: list[int]) -> li
             )
             outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
+
+
+def write_word_tokenizer(path: Path, vocab_size: int) -> Path:
+    """Save a word-level tokenizer to ``path`` (beside a checkpoint, for a server): token
+    ``i`` is the word ``t{i}``, text is words separated by spaces, and no special token
+    is added, so the prompt ``"t3 t16"`` is the ids ``[3, 16]``."""
+    import tokenizers
+    import transformers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(
+        path
+    )
+    return path

@@ -12,12 +12,27 @@ sampled token's logprob within 1e-4 of it. Each rank must report split decode an
 prefill steps, unequal ones, and hand-overs at the MoE collectives; with FULL graphs,
 split decode steps replayed from one graph of both micro-batches, each micro-batch's
 attention tasks updated with its own plan before each replay.
+
+The same as a user serves it: a DP=2 OpenAI-compatible server with ``--enable-dbo``
+(``servers.py``; the checkpoint gets a word-level tokenizer), the eight prompts sent as
+concurrent completions requests, eagerly and with FULL graphs, against the same one
+rank. vLLM's load balancer picks each request's rank. The workers are processes of the
+server: each writes its counters to the directory ``NPU_BRIDGE_COUNTERS_DIR`` names
+after every step (vLLM's utility calls answer from the first DP engine only).
 """
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
-from dp_ranks import by_prompt, run_rank_results, write_tiny_moe
+from checkpoints import write_word_tokenizer
+from dp_ranks import PROMPTS, by_prompt, run_rank_results, write_tiny_moe
+from servers import Server, serve
+
+from npu_vllm_bridge.graphs.counters import COUNTERS_DIR_ENV
 
 MAX_TOKENS = [12, 11, 10, 12, 9, 12, 11, 10]  # per prompt; rank r runs prompts r::2
 LOGPROB_ATOL = 1e-4
@@ -30,11 +45,23 @@ FULL_GRAPHS = {
     },
 }
 MOE_LAYERS = 2
+VOCAB_SIZE = 512
+SERVER_ARGS = [
+    "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
+    "--kv-cache-memory-bytes", str(64 * 2**20), "--seed", "0",
+    "--data-parallel-size", "2", "--enable-dbo",
+    "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "4",
+]  # fmt: skip
+SERVER_GRAPHS = {
+    "eager": ["--enforce-eager"],
+    "full": ["--compilation-config", json.dumps(FULL_GRAPHS["compilation_config"])],
+}
 
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
-    return write_tiny_moe(tmp_path_factory.mktemp("dbo") / "tiny-qwen3-moe")
+    path = write_tiny_moe(tmp_path_factory.mktemp("dbo") / "tiny-qwen3-moe")
+    return write_word_tokenizer(path, VOCAB_SIZE)  # for the server; ranks skip it
 
 
 @pytest.fixture(scope="module")
@@ -76,4 +103,57 @@ def test_two_micro_batched_ranks_equal_one_rank(tiny_moe, one_rank, tmp_path, gr
         # Every split decode step ran as one graph of both micro-batches (captured at
         # its first step, replayed after), the unequal 1 + 2 split among them (the
         # prefill step splits its padded 20 tokens 10 + 10).
+        assert c["split_captured"] + c["split_replayed_steps"] == c["split_decode_steps"], summary
+
+
+def _complete(server: Server, index: int) -> dict:
+    body = {
+        "model": server.model,
+        "prompt": " ".join(f"t{token}" for token in PROMPTS[index]),
+        "max_tokens": MAX_TOKENS[index],
+        "temperature": 0.0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    status, reply = server.post("/v1/completions", json.dumps(body).encode())
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["prompt_token_ids"] == PROMPTS[index], choice  # the word tokenizer's
+    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+def _rank_counters(directory: Path) -> dict[int, dict]:
+    """Each DP rank's counters, as its worker wrote them after its last step."""
+    return {
+        int(path.name[2 : path.name.index("-")]): json.loads(path.read_text())
+        for path in directory.glob("dp*-rank0.json")
+    }
+
+
+@pytest.mark.parametrize("graphs", ["eager", "full"])
+def test_dp_server_with_micro_batches_equals_one_rank(tiny_moe, one_rank, tmp_path, graphs):
+    log, counters = tmp_path / "server.log", tmp_path / "counters"
+    counters.mkdir()
+    env = {COUNTERS_DIR_ENV: str(counters)}
+    with (
+        serve(tiny_moe, SERVER_ARGS + SERVER_GRAPHS[graphs], log, env) as server,
+        ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool,
+    ):
+        replies = list(pool.map(lambda index: _complete(server, index), range(len(PROMPTS))))
+    for index, (reply, tokens, logprobs) in enumerate(zip(replies, *one_rank)):
+        assert reply["tokens"] == tokens, f"prompt {index}: served {reply['tokens']} != {tokens}"
+        worst = max(abs(a - b) for a, b in zip(reply["logprobs"], logprobs))
+        assert worst <= LOGPROB_ATOL, f"prompt {index}: logprobs differ by {worst}"
+    ranks = _rank_counters(counters)
+    assert sorted(ranks) == [0, 1], ranks
+    for rank, c in ranks.items():
+        summary = f"rank {rank}: {c}"
+        assert c["split_decode_steps"] >= 3 and c["split_prefill_steps"] >= 1, summary
+        assert c["yields_per_split_forward"] == 2 * 2 * MOE_LAYERS, summary
+        if graphs == "eager":
+            assert c["captured"] == 0 and c["split_replayed_steps"] == 0, summary
+            continue
+        assert c["split_captured"] >= 1 and c["split_replayed_steps"] >= 1, summary
+        assert c["split_task_updates"] == c["split_replayed_steps"], summary
         assert c["split_captured"] + c["split_replayed_steps"] == c["split_decode_steps"], summary
