@@ -6,13 +6,14 @@ import importlib
 import inspect
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from v2_kernel_cases import CASES
+from v2_kernel_cases import CASES, ngram_block_size
 
 from npu_vllm_bridge.worker import host_v2_kernels
 from npu_vllm_bridge.worker.host_slot_mapping import compute_slot_mapping
@@ -246,3 +247,66 @@ def test_gumbel_sample_captured_greedy_replays_with_temperatures_and_logits_cach
     assert torch.equal(later["cache"][2, 1], later["logits"][0])  # the padding row stored none
     assert torch.equal(later["cache"][0, 1], later["logits"][1])
     assert later["cache"][:, 0].count_nonzero() == 0
+
+
+def _ngram_drafts_by_rule(
+    history: list[int], num_sampled: int, last: int, min_n: int, max_n: int, k: int
+) -> list[int]:
+    """vLLM's ngram drafting rule, written from its documentation: the longest suffix
+    of ``min_n`` to ``max_n`` tokens that occurred before (ending before the suffix
+    itself), its rightmost occurrence; the ``k`` tokens that followed it, the last
+    sampled token where the history ends first; without a match, or when the request
+    sampled nothing, ``k`` times the last sampled token."""
+    if num_sampled > 0:
+        for n in range(max_n, min_n - 1, -1):
+            for pos in range(len(history) - n - 1, -1, -1):
+                if history[pos : pos + n] == history[len(history) - n :]:
+                    follows = history[pos + n : pos + n + k]
+                    return follows + [last] * (k - len(follows))
+    return [last] * k
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ngram_drafts_follow_the_rightmost_longest_match(seed: int) -> None:
+    """Random token histories (few token ids, so n-grams recur; lengths from 0 to the
+    model length), random n ranges and draft counts: the scan and finalize, called as
+    vLLM's ``NgramGPUSpeculator.propose`` launches its kernels, draft what the rule
+    says; rows past the batch are left alone. (Triton's interpreter cannot run vLLM's
+    finalize kernel as it is: ``v2_kernel_cases.py``.)"""
+    rng = random.Random(seed)
+    max_model_len = rng.choice([5, 40, 64, 150, 300, 1100])
+    max_num_reqs, num_reqs = 8, rng.randint(1, 8)
+    min_n = rng.randint(1, 3)
+    max_n, k = rng.randint(min_n, min_n + 3), rng.randint(1, 5)
+    vocabulary = rng.choice([2, 3, 6])
+    lengths = [rng.randint(0, max_model_len) for _ in range(max_num_reqs)]
+    histories = [[rng.randrange(vocabulary) for _ in range(n)] for n in lengths]
+    token_ids = torch.full((max_num_reqs, max_model_len), 99, dtype=torch.int32)
+    for state, history in enumerate(histories):
+        token_ids[state, : len(history)] = torch.tensor(history, dtype=torch.int32)
+    states = rng.sample(range(max_num_reqs), num_reqs)
+    num_sampled = [rng.choice([0, 1, 1, 2]) for _ in states]
+    last_sampled = torch.arange(1000, 1000 + max_num_reqs).view(max_num_reqs, 1)
+    block = ngram_block_size(max_model_len)
+    num_blocks = -(-max_model_len // block)
+    scratch = torch.zeros(max_num_reqs, num_blocks, dtype=torch.int64)
+    drafts = torch.full((max_num_reqs, k), -1, dtype=torch.int64)
+    idx_mapping = torch.tensor(states, dtype=torch.int64)
+    total_len = torch.tensor(lengths, dtype=torch.int32)
+    sampled = torch.tensor(num_sampled, dtype=torch.int32)
+    host_v2_kernels._ngram_scan(
+        token_ids, token_ids.stride(0), idx_mapping, total_len, sampled, scratch,
+        scratch.stride(0), max_model_len, min_n, max_n, 1 << (max_n - 1).bit_length(), block,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    host_v2_kernels._ngram_finalize(
+        token_ids, token_ids.stride(0), idx_mapping, total_len, sampled, last_sampled.view(-1),
+        scratch, scratch.stride(0), drafts, max_model_len, num_blocks, k,
+        1 << (k - 1).bit_length(), 1 << (num_blocks - 1).bit_length(), num_warps=2, num_stages=1,
+    )  # fmt: skip
+    expected = [
+        _ngram_drafts_by_rule(histories[state], count, 1000 + state, min_n, max_n, k)
+        for state, count in zip(states, num_sampled)
+    ]
+    assert drafts[:num_reqs].tolist() == expected
+    assert (drafts[num_reqs:] == -1).all()

@@ -10,6 +10,8 @@ one line: ``RESULT {case: "ok" | error message}``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -33,7 +35,8 @@ def _launch_both(case: Callable[[], tuple], kernel_name: str) -> list[tuple[torc
     for run in (lambda grid: kernel[grid], lambda grid: KERNELS[kernel_name]):
         torch.manual_seed(0)
         grid, args, kwargs, outputs = case()
-        run(grid)(*args, **kwargs)
+        with _boolean_masks(kernel_name):
+            run(grid)(*args, **kwargs)
         written.append(tuple(t.clone() for t in outputs))
     return written
 
@@ -287,6 +290,112 @@ def shift_input_ids():
     return (4,), args, {"BLOCK_SIZE": 2}, (input_ids,)
 
 
+def ngram_histories(seed: int, max_model_len: int, max_n: int) -> dict[str, torch.Tensor]:
+    """Token histories for V2's ngram drafter, by request state: random over four
+    token ids (so n-grams recur), one without any repeated token (no match), one
+    full (``max_model_len`` tokens), one shorter than most n-grams, six times the
+    same token (its best match ends one token before the history: one draft token
+    from it, the rest the last sampled token); token ids past each history are 9
+    (never in one), so a read past it changes the result. Batch rows map to states
+    out of order, one state is not in the batch, and one row sampled nothing."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [max_model_len, 37, max_n - 1, 60, 1 + max_model_len // 2, 6, 23]
+    token_ids = torch.randint(0, 4, (7, max_model_len), generator=generator, dtype=torch.int32)
+    token_ids[3] = torch.arange(100, 100 + max_model_len)  # no repeated token
+    token_ids[5] = 8
+    for state, length in enumerate(lengths):
+        token_ids[state, min(length, max_model_len) :] = 9
+    return {
+        "token_ids": token_ids,
+        "idx_mapping": torch.tensor([4, 0, 3, 2, 1, 5], dtype=torch.int64),
+        "total_len": torch.tensor([min(n, max_model_len) for n in lengths], dtype=torch.int32),
+        "num_sampled": torch.tensor([1, 2, 1, 1, 0, 1], dtype=torch.int32),
+        "last_sampled": torch.arange(70, 77).view(7, 1),  # vLLM's [max_num_reqs, 1]
+    }
+
+
+def ngram_block_size(max_model_len: int) -> int:
+    """The scan's block of positions, as vLLM's ``NgramGPUSpeculator`` picks it."""
+    for at_least, block in ((1024, 256), (256, 128), (64, 64)):
+        if max_model_len >= at_least:
+            return block
+    return max(16, 1 << (max_model_len - 1).bit_length())
+
+
+def _ngram_scan_case(seed: int, max_model_len: int, min_n: int, max_n: int):
+    h = ngram_histories(seed, max_model_len, max_n)
+    block = ngram_block_size(max_model_len)
+    num_blocks = -(-max_model_len // block)
+    scratch = torch.full((7, num_blocks), -5, dtype=torch.int64)  # rows past the batch: kept
+    args = (
+        h["token_ids"], h["token_ids"].stride(0), h["idx_mapping"], h["total_len"],
+        h["num_sampled"], scratch, scratch.stride(0), max_model_len, min_n, max_n,
+        max(1, 1 << (max_n - 1).bit_length()), block,
+    )  # fmt: skip
+    return (6, num_blocks), args, {"num_warps": 4, "num_stages": 2}, (scratch,)
+
+
+def _ngram_finalize_case(seed: int, max_model_len: int, min_n: int, max_n: int, k: int):
+    """The scan's scores from our version (checked against the kernel by the scan's
+    cases), then the drafts."""
+    from npu_vllm_bridge.worker.host_v2_kernels import _ngram_scan
+
+    _, scan_args, _, (scratch,) = _ngram_scan_case(seed, max_model_len, min_n, max_n)
+    _ngram_scan(*scan_args)
+    h = ngram_histories(seed, max_model_len, max_n)
+    drafts = torch.full((7, k), -7, dtype=torch.int64)
+    num_blocks = scratch.shape[1]
+    args = (
+        h["token_ids"], h["token_ids"].stride(0), h["idx_mapping"], h["total_len"],
+        h["num_sampled"], h["last_sampled"].view(-1), scratch, scratch.stride(0), drafts,
+        max_model_len, num_blocks, k, max(1, 1 << (k - 1).bit_length()),
+        max(1, 1 << (num_blocks - 1).bit_length()),
+    )  # fmt: skip
+    return (6,), args, {"num_warps": 2, "num_stages": 1}, (drafts,)
+
+
+# (seed, max_model_len, prompt_lookup_min, prompt_lookup_max[, k]): three blocks of 64
+# positions (the last partly past the model length) with n of 1 to 3; one block of
+# 64 for a model length of 40 with n = 2 only; three blocks of 128 with n of 3 to 5.
+NGRAM_SCANS = {"ngram_scan": (0, 150, 1, 3), "ngram_scan_one_block": (1, 40, 2, 2)}
+NGRAM_SCANS["ngram_scan_long_ngrams"] = (2, 300, 3, 5)
+NGRAM_FINALIZES = {
+    "ngram_finalize": (0, 150, 1, 3, 3),
+    "ngram_finalize_one_block": (1, 40, 2, 2, 5),
+}
+NGRAM_FINALIZES["ngram_finalize_long_ngrams"] = (2, 300, 3, 5, 2)
+
+
+@contextlib.contextmanager
+def _boolean_masks(kernel_name: str):
+    """Triton 3.9's interpreter refuses the masked load of ``_ngram_finalize_kernel``'s
+    draft tokens: it types the mask ``(k_iota < tokens_avail) & write_ok & k_in_range``
+    int64 and holds it as int32 0 and 1 (``ValueError('mask has unsupported dtype')``),
+    where the kernel means the comparisons' truth. For that kernel, the interpreter's
+    masked loads get their mask as booleans, once checked to hold only 0 and 1."""
+    if kernel_name != _NGRAM + "_ngram_finalize_kernel":
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    load = InterpreterBuilder.create_masked_load
+
+    def load_with_boolean_mask(self, ptrs, mask, other, cache_policy, is_volatile):
+        if mask.data.dtype != np.bool_:
+            if not np.isin(mask.data, (0, 1)).all():
+                raise ValueError(f"a mask of other values than 0 and 1: {mask.data}")
+            mask = TensorHandle(mask.data.astype(np.bool_), tl.int1)
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    InterpreterBuilder.create_masked_load = load_with_boolean_mask
+    try:
+        yield
+    finally:
+        InterpreterBuilder.create_masked_load = load
+
+
 _INPUT_BATCH = "vllm.v1.worker.gpu.input_batch."
 _BLOCK_TABLE = "vllm.v1.worker.gpu.block_table."
 _GUMBEL = "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel"
@@ -295,6 +404,7 @@ _UPDATE_DRAFT_INPUTS = (
     "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator._update_draft_inputs_kernel"
 )
 _MULTI_MODULE_MTP = "vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator."
+_NGRAM = "vllm.v1.worker.gpu.spec_decode.ngram.speculator."
 CASES = {
     "pos_seq_lens": (pos_seq_lens, _INPUT_BATCH + "_prepare_pos_seq_lens_kernel"),
     "combine_sampled_and_draft_tokens": (
@@ -327,6 +437,13 @@ CASES = {
     ),
     "shift_input_ids": (shift_input_ids, _MULTI_MODULE_MTP + "_shift_input_ids_kernel"),
 }
+for _name, _options in NGRAM_SCANS.items():
+    CASES[_name] = (functools.partial(_ngram_scan_case, *_options), _NGRAM + "_ngram_scan_kernel")
+for _name, _options in NGRAM_FINALIZES.items():
+    CASES[_name] = (
+        functools.partial(_ngram_finalize_case, *_options),
+        _NGRAM + "_ngram_finalize_kernel",
+    )
 
 
 def compare(case: str) -> str:

@@ -10,7 +10,9 @@ drafters' FULL graphs capture (an interpreted kernel cannot be recorded in a hos
 graph, ``host_triton.py``): the update of a draft step's inputs, and multi-module MTP's
 cache of its draft inputs and shift of input ids (not the shift of input embeddings,
 which only multimodal drafters run). These read no value of a tensor on the host, so
-that a host graph replays them with each replay's values.
+that a host graph replays them with each replay's values. And the ngram drafter's scan
+and finalize, which run outside graphs: interpreted, the scan is slow, and Triton 3.9's
+interpreter refuses one of the finalize kernel's masked loads (an int64-typed mask).
 
 Each takes its kernel's arguments under the kernel's names (a test checks they still
 match), tensors where the kernel takes pointers, and works out the launch grid from
@@ -640,6 +642,105 @@ def _shift_input_ids(
     input_ids_ptr.copy_(updated)
 
 
+def _ngram_scan(
+    token_ids_ptr: torch.Tensor,
+    token_ids_stride: int,
+    idx_mapping_ptr: torch.Tensor,
+    total_len_ptr: torch.Tensor,
+    num_sampled_ptr: torch.Tensor,
+    scratch_ptr: torch.Tensor,
+    scratch_stride: int,
+    L: int,
+    MIN_N: int,
+    MAX_N: int,
+    MAX_N_PO2: int,
+    BLOCK_L: int,
+    **launch_options: Any,
+) -> None:
+    """V2's ngram drafter, first pass: per batch row and block of ``BLOCK_L``
+    positions, the best match of the row's last ``n`` tokens (``MIN_N <= n <= MAX_N``)
+    starting in the block, packed as ``n * (L + 1) + pos + 1`` (so the largest is the
+    longest, then the rightmost), 0 for none. A match at ``pos`` ends before the
+    suffix itself (``pos + n < seq_len``). Rows that sampled nothing, or hold fewer
+    than ``MIN_N`` tokens, score 0.
+
+    ``token_ids_ptr``: int32 ``[max_num_reqs, token_ids_stride]`` by request state;
+    ``idx_mapping_ptr``: ``[num_reqs]`` batch row -> request state; ``total_len_ptr``:
+    ``[max_num_reqs]``; ``num_sampled_ptr``: ``[num_reqs]``; ``scratch_ptr``: int64
+    ``[>= num_reqs, scratch_stride]``, its first ``cdiv(L, BLOCK_L)`` columns written
+    (the kernel's launch grid).
+    """
+    num_reqs = idx_mapping_ptr.shape[0]
+    num_blocks = -(-int(L) // BLOCK_L)
+    tokens = token_ids_ptr.reshape(-1)
+    rows = idx_mapping_ptr.long()[:, None] * token_ids_stride  # [num_reqs, 1]
+    seq_lens = total_len_ptr[idx_mapping_ptr.long()].long()[:, None]
+    positions = torch.arange(num_blocks * BLOCK_L)
+    last = tokens.numel() - 1
+    best = torch.zeros(num_reqs, num_blocks * BLOCK_L, dtype=torch.int64)
+    for n in range(MIN_N, MAX_N + 1):  # a longer match overwrites: its score is larger
+        match = positions <= seq_lens - n - 1
+        for j in range(n):
+            window = tokens[(rows + positions + j).clamp(max=last)]
+            suffix = tokens[(rows + seq_lens - n + j).clamp(min=0, max=last)]
+            match &= window == suffix
+        best = torch.where(match, n * (int(L) + 1) + positions + 1, best)
+    block_best = best.view(num_reqs, num_blocks, BLOCK_L).amax(dim=-1)
+    eligible = (num_sampled_ptr[:num_reqs, None] > 0) & (seq_lens >= MIN_N)
+    block_best = torch.where(eligible, block_best, 0)
+    offsets = torch.arange(num_reqs)[:, None] * scratch_stride + torch.arange(num_blocks)
+    _write_flat(scratch_ptr, offsets.reshape(-1), block_best.reshape(-1))
+
+
+def _ngram_finalize(
+    token_ids_ptr: torch.Tensor,
+    token_ids_stride: int,
+    idx_mapping_ptr: torch.Tensor,
+    total_len_ptr: torch.Tensor,
+    num_sampled_ptr: torch.Tensor,
+    last_sampled_ptr: torch.Tensor,
+    scratch_ptr: torch.Tensor,
+    scratch_stride: int,
+    drafts_ptr: torch.Tensor,
+    L: int,
+    N_BLOCKS: int,
+    K: int,
+    K_PO2: int,
+    N_BLOCKS_PO2: int,
+    **launch_options: Any,
+) -> None:
+    """V2's ngram drafter, second pass: each batch row's ``K`` draft tokens, those
+    that followed its best match (the largest score of :func:`_ngram_scan` over its
+    ``N_BLOCKS`` blocks); slots past the row's tokens, and every slot of a row without
+    a match or that sampled nothing, hold the row's last sampled token.
+
+    ``last_sampled_ptr``: int64 ``[max_num_reqs]`` by request state; ``drafts_ptr``:
+    int64, row ``b``'s drafts at ``b * K`` onwards (``[max_num_reqs, K]``).
+    """
+    num_reqs = idx_mapping_ptr.shape[0]
+    reqs = idx_mapping_ptr.long()
+    batch = torch.arange(num_reqs)
+    blocks = batch[:, None] * scratch_stride + torch.arange(N_BLOCKS)
+    score = scratch_ptr.reshape(-1)[blocks].amax(dim=1)
+    if N_BLOCKS_PO2 > N_BLOCKS:  # the kernel's padding blocks count as 0
+        score = score.clamp(min=0)
+    seq_lens = total_len_ptr[reqs].long()
+    last_tokens = last_sampled_ptr.reshape(-1)[reqs]
+    has_match = score > 0
+    length = torch.where(has_match, (score - 1) // (int(L) + 1), 0)
+    start = torch.where(has_match, score - 1 - length * (int(L) + 1) + length, 0)
+    available = (seq_lens - start).clamp(min=0)
+    write_ok = (num_sampled_ptr[:num_reqs] > 0) & has_match
+    column = torch.arange(K)
+    valid = (column < available[:, None]) & write_ok[:, None]
+    index = (start[:, None] + column).clamp(max=int(L) - 1)
+    tokens = token_ids_ptr.reshape(-1)[
+        torch.where(valid, reqs[:, None] * token_ids_stride + index, 0)
+    ]
+    drafts = torch.where(valid, tokens.long(), last_tokens[:, None])
+    _write_flat(drafts_ptr, (batch[:, None] * K + column).reshape(-1), drafts.reshape(-1))
+
+
 # vLLM's kernel -> its PyTorch version here.
 KERNELS = {
     "vllm.v1.worker.gpu.input_batch._prepare_pos_seq_lens_kernel": _prepare_pos_seq_lens,
@@ -663,6 +764,8 @@ KERNELS = {
     "vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator._shift_input_ids_kernel": (
         _shift_input_ids
     ),
+    "vllm.v1.worker.gpu.spec_decode.ngram.speculator._ngram_scan_kernel": _ngram_scan,
+    "vllm.v1.worker.gpu.spec_decode.ngram.speculator._ngram_finalize_kernel": _ngram_finalize,
 }
 
 
