@@ -64,6 +64,16 @@ def test_rows_a_descriptor_cannot_take_are_refused() -> None:
     assert not hopper._rows_take_descriptor(rows.half(), torch.bfloat16, 128)
 
 
+def test_output_goes_through_shared_memory_where_it_fits() -> None:
+    """Two 64-row output tiles beside the query tile and the K/V stages in 224 KiB."""
+    hopper = pytest.importorskip("npu_attention.providers.triton_kernels.hopper_prefill")
+    assert hopper.output_tile_fits(128, 128, 128, 2)
+    assert hopper.output_tile_fits(64, 64, 128, 3)
+    assert not hopper.output_tile_fits(128, 128, 128, 3)
+    assert not hopper.output_tile_fits(192, 128, 128, 2)  # MLA's widths
+    assert not hopper.output_tile_fits(256, 256, 64, 2)
+
+
 # ---------------------------------------------------------------- Hopper GPU
 
 HOPPER_CASES = {
@@ -92,6 +102,27 @@ def test_gpu_hopper_prefill_matches_reference(
     launches = _count_hopper_launches(monkeypatch)
     assert_matches_reference(batch, attend_with_own_rows(batch))
     assert launches == [1]
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_gpu_hopper_prefill_output_rows_a_descriptor_cannot_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``out`` whose heads are not adjacent (a view of wider rows) is written from
+    registers; its other columns and the padding rows stay untouched."""
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    batch = _prefill(spec, [1, 129, 700])
+    wide = torch.full((*batch.query.shape[:2], 256), float("nan"), device=batch.device)
+    wide = wide.to(torch.bfloat16)
+    out = wide[..., :128]
+    launches = _count_hopper_launches(monkeypatch)
+    batch.plan.provider.attend(
+        batch.query, batch.key_cache, batch.value_cache, batch.plan, out, batch.key, batch.value
+    )
+    assert launches == [1]
+    assert_matches_reference(batch, out)
+    assert wide[..., 128:].isnan().all()
 
 
 @pytest.mark.cuda

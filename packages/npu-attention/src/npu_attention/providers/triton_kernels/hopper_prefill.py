@@ -11,7 +11,12 @@ kernel orders the work itself, in the way FlashAttention-3 does on Hopper:
   warpgroup MMAs and computes the softmax while the ``P @ V`` runs;
 - the grid is persistent, a program per multiprocessor going through (query tile,
   head) pairs, longest first and every head of a query tile in turn: the loader
-  fetches the next pair's tiles while the consumers finish the current one.
+  fetches the next pair's tiles while the consumers finish the current one;
+- where shared memory has room for it (head sizes 64 and 128 at 2 stages), each
+  consumer writes its 64 finished rows into a shared-memory tile that the
+  tensor-memory accelerator stores while the consumer goes on to its next pair
+  (rows of a request's last, partial tile are stored from registers, row by row
+  masked, so that the next request's rows stay untouched).
 
 It covers what a prefill without cached context needs: causal or not, any number of
 requests packed along the token axis (varlen), GQA, head sizes 64/128/256 (16-bit),
@@ -29,6 +34,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -136,6 +142,11 @@ def hopper_prefill(
     kt_desc = _row_descriptor(key, block_n, tail, dtype) if tail else k_desc
     write_lse = lse is not None
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
+    value_size = value.shape[-1]
+    tma_out = output_tile_fits(head_size, value_size, block_n, stages)
+    tma_out = tma_out and _rows_take_descriptor(out, query.dtype, value_size)
+    # Without the output tile this is the value descriptor again, never read.
+    o_desc = _row_descriptor(out, ROWS_PER_CONSUMER, value_size, dtype) if tma_out else v_desc
     num_slots = num_tokens // BLOCK_M + num_reqs
     num_pairs = num_slots * num_heads
     grid = (min(num_pairs, multiprocessor_count(query.device)),)
@@ -145,6 +156,7 @@ def hopper_prefill(
         v_desc,
         qt_desc,
         kt_desc,
+        o_desc,
         out,
         lse_arg,
         cu_seqlens_q,
@@ -160,6 +172,7 @@ def hopper_prefill(
         STAGES=stages,
         CAUSAL=causal,
         WRITE_LSE=write_lse,
+        TMA_OUT=tma_out,
         num_warps=4,
         maxnreg=168,
     )
@@ -176,6 +189,16 @@ def max_stages(head_size: int, value_size: int, block_n: int) -> int:
     ``_SHARED_BYTES`` (16-bit values)."""
     query_bytes = BLOCK_M * head_size * 2
     return (_SHARED_BYTES - query_bytes) // (block_n * (head_size + value_size) * 2)
+
+
+def output_tile_fits(head_size: int, value_size: int, block_n: int, stages: int) -> bool:
+    """Whether the two consumers' output tiles (64 rows of ``value_size`` each, 16-bit)
+    fit in ``_SHARED_BYTES`` beside the query tile and ``stages`` K/V stages: head sizes
+    64 and 128 at 2 stages; not 128 at 3 stages, 192 / 128 or 256."""
+    query_bytes = BLOCK_M * head_size * 2
+    stage_bytes = block_n * (head_size + value_size) * 2
+    out_bytes = BLOCK_M * value_size * 2
+    return query_bytes + stages * stage_bytes + out_bytes <= _SHARED_BYTES
 
 
 def _row_descriptor(t: torch.Tensor, rows: int, cols: int, dtype) -> "TensorDescriptor":
@@ -196,13 +219,15 @@ if HAVE_GLUON:
         write_lse: gl.constexpr
         queries_per_kv: gl.constexpr
         tail: gl.constexpr  # query/key columns past the first power of two (0, or 64 at 192)
+        tma_out: gl.constexpr  # full output tiles go through shared memory and TMA
 
         @gluon.constexpr_function
-        def __init__(self, causal, write_lse, queries_per_kv, tail):
+        def __init__(self, causal, write_lse, queries_per_kv, tail, tma_out):
             self.causal = gl.constexpr(causal)
             self.write_lse = gl.constexpr(write_lse)
             self.queries_per_kv = gl.constexpr(queries_per_kv)
             self.tail = gl.constexpr(tail)
+            self.tma_out = gl.constexpr(tma_out)
 
     @gluon.jit
     def _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_Q: gl.constexpr):
@@ -324,7 +349,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumer_partition(
-        q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, out_ptr, lse_ptr,
+        q_smem, k_smem, v_smem, qt_smem, kt_smem, o_desc, o_smem, bars, out_ptr, lse_ptr,
         cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
         stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, half,
     ):  # fmt: skip
@@ -346,11 +371,14 @@ if HAVE_GLUON:
                     q_len, num_tiles, num_full, qk_scale, flags.causal, flags.tail,
                 )  # fmt: skip
                 _store_rows(
-                    o, m_i, l_i, out_ptr, lse_ptr, q_start, first_row, q_len, head,
-                    stride_ot, stride_oh, stride_lt, stride_lh, flags.write_lse,
+                    o, m_i, l_i, out_ptr, lse_ptr, o_desc, o_smem.index(half), q_start,
+                    first_row, q_len, head, stride_ot, stride_oh, stride_lt, stride_lh,
+                    flags.write_lse, flags.tma_out,
                 )  # fmt: skip
                 count += num_tiles
                 done += 1
+        if flags.tma_out:  # the last tile's store reads the shared memory until it is done
+            tma.store_wait(0)
 
     @gluon.jit
     def _scores(q, k, qt, kt, zero_s, TAIL: gl.constexpr):
@@ -435,19 +463,28 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_rows(
-        o, m_i, l_i, out_ptr, lse_ptr, q_start, first_row, q_len, head,
+        o, m_i, l_i, out_ptr, lse_ptr, o_desc, o_smem, q_start, first_row, q_len, head,
         stride_ot, stride_oh, stride_lt, stride_lh, WRITE_LSE: gl.constexpr,
+        TMA_OUT: gl.constexpr,
     ):  # fmt: skip
-        """Normalize and write a half's rows of ``out`` (and of ``lse``)."""
+        """Normalize and write a half's rows of ``out`` (and of ``lse``): with
+        ``TMA_OUT``, a tile of rows all within the request through ``o_smem`` and one
+        TMA store left running (the tile before it finished first); else from registers."""
         o_layout: gl.constexpr = o.type.layout
         rows: gl.constexpr = o.type.shape[0]
         HEAD: gl.constexpr = o.type.shape[1]
         o = o / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        out_rows = first_row + gl.arange(0, rows, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
-        token = (q_start + out_rows).to(gl.int64)
-        dst = out_ptr + token[:, None] * stride_ot + head * stride_oh + cols[None, :]
-        gl.store(dst, o.to(out_ptr.dtype.element_ty), mask=(out_rows < q_len)[:, None])
+        o = o.to(out_ptr.dtype.element_ty)
+        if TMA_OUT:
+            if first_row + rows <= q_len:
+                tma.store_wait(0)
+                o_smem.store(o)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [q_start + first_row, head * HEAD], o_smem)
+            else:
+                _store_masked(o, out_ptr, q_start, first_row, q_len, head, stride_ot, stride_oh)
+        else:
+            _store_masked(o, out_ptr, q_start, first_row, q_len, head, stride_ot, stride_oh)
         if WRITE_LSE:
             row_pos = first_row + gl.arange(0, rows, layout=m_i.type.layout)
             lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
@@ -455,11 +492,23 @@ if HAVE_GLUON:
             gl.store(lse_ptr + lse_token * stride_lt + head * stride_lh, lse, mask=row_pos < q_len)
 
     @gluon.jit
+    def _store_masked(o, out_ptr, q_start, first_row, q_len, head, stride_ot, stride_oh):
+        """Rows of ``o`` within the request (``first_row + r < q_len``) from registers."""
+        o_layout: gl.constexpr = o.type.layout
+        rows: gl.constexpr = o.type.shape[0]
+        HEAD: gl.constexpr = o.type.shape[1]
+        out_rows = first_row + gl.arange(0, rows, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD, layout=gl.SliceLayout(0, o_layout))
+        token = (q_start + out_rows).to(gl.int64)
+        dst = out_ptr + token[:, None] * stride_ot + head * stride_oh + cols[None, :]
+        gl.store(dst, o, mask=(out_rows < q_len)[:, None])
+
+    @gluon.jit
     def _hopper_prefill_kernel(
-        q_desc, k_desc, v_desc, qt_desc, kt_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr,
+        q_desc, k_desc, v_desc, qt_desc, kt_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr,
         num_reqs, num_slots, num_pairs, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
         QUERIES_PER_KV: gl.constexpr, TAIL: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, TMA_OUT: gl.constexpr,
     ):  # fmt: skip
         rows: gl.constexpr = q_desc.block_type.shape[0]
         MAIN: gl.constexpr = q_desc.block_type.shape[1]
@@ -476,6 +525,10 @@ if HAVE_GLUON:
         else:  # never read
             qt_smem = q_smem
             kt_smem = k_smem
+        if TMA_OUT:
+            o_smem = gl.allocate_shared_memory(dtype, [2, rows, HEAD_V], o_desc.layout)
+        else:  # never read
+            o_smem = q_smem
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -491,14 +544,14 @@ if HAVE_GLUON:
             mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
             mbarrier.init(v_empty.index(i), count=2)
         bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
-        flags = _Flags(CAUSAL, WRITE_LSE, QUERIES_PER_KV, TAIL)
+        flags = _Flags(CAUSAL, WRITE_LSE, QUERIES_PER_KV, TAIL, TMA_OUT)
         first_consumer_args = (
-            q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, out_ptr, lse_ptr,
+            q_smem, k_smem, v_smem, qt_smem, kt_smem, o_desc, o_smem, bars, out_ptr, lse_ptr,
             cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
             stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 0,
         )  # fmt: skip
         second_consumer_args = (
-            q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, out_ptr, lse_ptr,
+            q_smem, k_smem, v_smem, qt_smem, kt_smem, o_desc, o_smem, bars, out_ptr, lse_ptr,
             cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
             stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 1,
         )  # fmt: skip
