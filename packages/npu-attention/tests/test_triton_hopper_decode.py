@@ -12,6 +12,8 @@ GPU, the choice of kernel and the layouts it refuses are checked.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_triton_provider import Batch, assert_matches_reference, record_launches
@@ -77,6 +79,42 @@ def test_shapes_and_cache_layouts_the_kernel_refuses() -> None:
     interleaved = torch.zeros(6, 2, 16, 4, 128, dtype=torch.bfloat16)[:, 0]
     assert not hopper._pages_take_descriptor(interleaved, torch.bfloat16)  # pages apart
     assert not hopper._pages_take_descriptor(cache.half(), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("num_reqs", "longest", "expected_splits", "expected_long"),
+    [  # 132 multiprocessors, 8 KV heads
+        (16, 4096, 1, True),  # 128 programs, unsplit: 4096 keys each
+        (16, 2048, 1, True),
+        (16, 2047, 1, False),
+        (4, 8192, 4, True),  # 32 programs, 4 splits: 2048 keys each
+        (1, 4096, 16, False),  # 16 splits: 256 keys each
+        (16, 512, 1, False),
+    ],
+)
+def test_programs_of_long_shares_take_the_long_launch(
+    num_reqs: int,
+    longest: int,
+    expected_splits: int,
+    expected_long: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``prepare`` marks a Gluon decode whose programs read at least
+    ``hopper_decode_long_keys`` keys each; the portable kernel's decodes never."""
+    monkeypatch.setattr(triton_provider, "_multiprocessors", lambda device: 132)
+    spec = AttentionSpec(32, 8, 128, block_size=16, dtype=torch.bfloat16)
+    plan = SimpleNamespace(
+        state=BatchState.DECODE_ONLY, spec=spec, num_reqs=num_reqs, max_seq_len=longest,
+        device=torch.device("cuda"),
+    )  # fmt: skip
+    provider = TritonProvider()
+    monkeypatch.setattr(TritonProvider, "_hopper_decode_takes", lambda *_: True)
+    step = provider.prepare(plan)
+    assert (step.num_kv_splits, step.hopper_decode, step.hopper_long) == (
+        expected_splits, True, expected_long,
+    )  # fmt: skip
+    monkeypatch.setattr(TritonProvider, "_hopper_decode_takes", lambda *_: False)
+    assert not provider.prepare(plan).hopper_long
 
 
 # ---------------------------------------------------------------- Hopper GPU
@@ -176,6 +214,25 @@ def test_gpu_hopper_decode_split_choices(
     launches = _count_hopper_launches(monkeypatch)
     assert_matches_reference(batch, batch.run())
     assert launches == [expected_splits]
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_hopper_decode_long_shares(block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests whose programs read at least ``hopper_decode_long_keys`` keys take
+    tiles of 128 keys, the other decodes 64 (the provider's own choice each time)."""
+    spec = AttentionSpec(32, 8, 128, block_size=block_size, dtype=torch.bfloat16)
+    num_reqs = torch.cuda.get_device_properties(0).multi_processor_count // 8
+    kernels = triton_provider._hopper_decode_kernels(torch.device("cuda"))
+    launches = record_launches(monkeypatch, kernels, "hopper_decode", lambda kw: kw["block_n"])
+    long = _decode(spec, [2500] + [(97 * r) % 700 for r in range(1, num_reqs)])
+    assert long.plan.provider_data.hopper_long
+    assert_matches_reference(long, long.run())
+    short = _decode(spec, [2500, 300])
+    assert not short.plan.provider_data.hopper_long
+    assert_matches_reference(short, short.run())
+    assert launches == [128, 64]
 
 
 @pytest.mark.cuda

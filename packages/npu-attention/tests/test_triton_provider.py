@@ -337,6 +337,18 @@ def test_prepare_chooses_decode_tiles_only_for_decode_states() -> None:
     assert mixed.plan.provider_data == TritonStepData(decode_tiles=False, num_kv_splits=1)
 
 
+@pytest.mark.parametrize(("block_size", "stages"), [(16, 3), (32, 3), (64, 2), (128, 2)])
+def test_decode_tiles_over_pages_smaller_than_a_tile_keep_a_deeper_pipeline(
+    block_size: int, stages: int
+) -> None:
+    """A decode of more than one wave: ``decode_launch`` where each tile lies in one
+    page, ``decode_launch_small_pages`` (one stage more) where it spans pages."""
+    provider = TritonProvider()
+    spec = AttentionSpec(32, 8, 128, block_size=block_size, dtype=torch.bfloat16)
+    config = provider._launch_config(spec, True, 1, False, True)
+    assert (config.block_n, config.num_warps, config.num_stages) == (64, 2, stages)
+
+
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
 def test_padded_requests_of_a_larger_captured_batch_are_skipped(num_kv_splits: int) -> None:
     """A graph captured for 4 decodes replays a 2-request step: the fixed buffers hold

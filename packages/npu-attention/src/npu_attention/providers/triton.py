@@ -45,13 +45,16 @@ class TritonStepData:
     along each decode request's keys (1 = no split); ``one_wave``: a decode whose
     programs (splits included) fit one per multiprocessor, launched with the wider
     ``decode_launch_one_wave`` tiles; ``hopper_decode``: the decode goes to the Gluon
-    kernel of ``hopper_decode.py`` (splits chosen for one program per multiprocessor).
+    kernel of ``hopper_decode.py`` (splits chosen for one program per multiprocessor);
+    ``hopper_long``: each of its programs reads at least ``hopper_decode_long_keys``
+    keys (the longest request's share), launched with ``hopper_decode_launch_long``.
     """
 
     decode_tiles: bool
     num_kv_splits: int
     one_wave: bool = False
     hopper_decode: bool = False
+    hopper_long: bool = False
 
 
 class TritonProvider(AttentionProvider):
@@ -64,11 +67,13 @@ class TritonProvider(AttentionProvider):
         min_unsplit_fill: a decode of at least this many programs (requests x KV
             heads) per multiprocessor is not split (a merge pass costs more than
             the idle multiprocessors).
-        decode_launch, decode_launch_one_wave, prefill_launch, prefill_launch_small_pages:
-            the portable kernel's launches (``block_m``, ``block_n``, ``num_warps``,
-            ``num_stages``, ``pdl``, ``prefetch_tiles``; see ``_launch_config``).
-        hopper_prefill, hopper_prefill_stages, hopper_decode, hopper_decode_launch: the
-            Gluon kernels for Hopper GPUs, each on or off, and their settings.
+        decode_launch, decode_launch_small_pages, decode_launch_one_wave, prefill_launch,
+            prefill_launch_small_pages: the portable kernel's launches (``block_m``,
+            ``block_n``, ``num_warps``, ``num_stages``, ``pdl``, ``prefetch_tiles``; see
+            ``_launch_config``).
+        hopper_prefill, hopper_prefill_stages, hopper_decode, hopper_decode_launch,
+            hopper_decode_long_keys, hopper_decode_launch_long: the Gluon kernels for
+            Hopper GPUs, each on or off, and their settings.
     """
 
     name: ClassVar[str] = "triton"
@@ -81,8 +86,8 @@ class TritonProvider(AttentionProvider):
     returns_lse: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        # The settings taken after measuring on an H100; benchmarks/README.md lists the
-        # alternatives tried and their figures.
+        # The settings taken after measuring on an H100 and an H200; benchmarks/README.md
+        # lists the alternatives tried and their figures.
         self.min_tokens_per_split = 128
         self.target_waves = 2
         self.min_unsplit_fill = 0.75
@@ -93,10 +98,12 @@ class TritonProvider(AttentionProvider):
         self.decode_launch: dict[str, int] = {
             "block_n": 64,
             "num_warps": 2,
-            "num_stages": 3,
+            "num_stages": 2,
             "pdl": 1,
             "prefetch_tiles": 1,
         }
+        # Pages smaller than a K/V tile (each key's page looked up): one stage deeper.
+        self.decode_launch_small_pages: dict[str, int] = {**self.decode_launch, "num_stages": 3}
         # Decodes whose programs, splits included, fit one wave (at most one per
         # multiprocessor): wider K/V tiles keep more bytes in flight.
         self.decode_launch_one_wave: dict[str, int] = {
@@ -133,6 +140,13 @@ class TritonProvider(AttentionProvider):
             "num_warps": 4,
             "num_stages": 2,
         }
+        # Programs of at least this many keys each take tiles of 128 keys: twice the
+        # bytes in flight for the same two stages.
+        self.hopper_decode_long_keys = 2048
+        self.hopper_decode_launch_long: dict[str, int] = {
+            **self.hopper_decode_launch,
+            "block_n": 128,
+        }
 
     @classmethod
     def is_available(cls) -> bool:
@@ -149,7 +163,7 @@ class TritonProvider(AttentionProvider):
 
     def prepare(self, plan: AttentionPlan) -> TritonStepData:
         decode_tiles = plan.state in _DECODE_STATES
-        num_kv_splits, one_wave, gluon = 1, False, False
+        num_kv_splits, one_wave, gluon, long = 1, False, False, False
         if decode_tiles:
             gluon = self._hopper_decode_takes(plan.spec, plan.num_reqs, plan.device)
             num_kv_splits = self._num_kv_splits(
@@ -157,7 +171,9 @@ class TritonProvider(AttentionProvider):
             )
             programs = plan.num_reqs * plan.spec.num_kv_heads * num_kv_splits
             one_wave = programs <= _multiprocessors(plan.device)
-        return TritonStepData(decode_tiles, num_kv_splits, one_wave, gluon)
+            share = -(-plan.max_seq_len // num_kv_splits)
+            long = gluon and share >= self.hopper_decode_long_keys
+        return TritonStepData(decode_tiles, num_kv_splits, one_wave, gluon, long)
 
     def _hopper_decode_takes(
         self, spec: AttentionSpec, num_reqs: int, device: torch.device
@@ -316,6 +332,7 @@ class TritonProvider(AttentionProvider):
             return False
         if not kernels.hopper_decode_supported(query, key_cache, value_cache, out, rows):
             return False
+        launch = self.hopper_decode_launch_long if step.hopper_long else self.hopper_decode_launch
         kernels.hopper_decode(
             query,
             key_cache,
@@ -328,9 +345,9 @@ class TritonProvider(AttentionProvider):
             tokens_per_req=tokens_per_req,
             num_splits=step.num_kv_splits,
             lse=lse,
-            stages=self.hopper_decode_launch["num_stages"],
-            block_n=self.hopper_decode_launch["block_n"],
-            num_warps=self.hopper_decode_launch["num_warps"],
+            stages=launch["num_stages"],
+            block_n=launch["block_n"],
+            num_warps=launch["num_warps"],
         )
         return True
 
@@ -355,6 +372,8 @@ class TritonProvider(AttentionProvider):
             launch = self.decode_launch_one_wave
         else:
             launch = self.decode_launch
+            if spec.block_size % launch["block_n"]:
+                launch = self.decode_launch_small_pages
         return _launch_config(spec, decode_tiles, num_kv_splits, tuple(sorted(launch.items())))
 
     def _num_kv_splits(
