@@ -36,6 +36,38 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def interleaved_median_ms(
+    fns: dict[str, Callable[[], Any]], rounds: int = 3
+) -> dict[str, tuple[float, float]]:
+    """Each of ``fns`` timed in ``rounds`` interleaved rounds (one ``median_ms`` of every
+    function per round, so that clock and temperature drift reach them alike): its
+    median over the rounds and the rounds' spread (max - min) in percent of it."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(median_ms(fn))
+    result = {}
+    for name, values in samples.items():
+        middle = sorted(values)[len(values) // 2]
+        result[name] = (middle, 100 * (max(values) - min(values)) / middle)
+    return result
+
+
+def kernel_names(fn: Callable[[], Any]) -> list[str]:
+    """Names of the device kernels one call of ``fn`` launches (copies and fills left out)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        fn()
+        torch.cuda.synchronize()
+    names = []
+    for event in profiler.events():
+        skip = any(word in event.name.lower() for word in ("memset", "memcpy", "fill"))
+        if event.device_type == torch.autograd.DeviceType.CUDA and not skip:
+            names.append(event.name)
+    return list(dict.fromkeys(names))
+
+
 def graph_median_ms(fn: Callable[[], Any]) -> float:
     """Median device time of ``fn`` captured as a CUDA graph (no launch overhead)."""
     fn()  # compile and warm up outside the capture

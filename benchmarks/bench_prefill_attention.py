@@ -13,10 +13,14 @@ without the rows: every key gathered from the pages.
 SDPA (``enable_gqa=True``) reads contiguous ``[batch, kv_heads, seq, head_size]`` K/V.
 FLOPs count only the (query, key) pairs the causal mask keeps, 4 * head_size per
 pair and head, for both. Peers from the same run: SDPA with torch's own backend
-choice (``default``), and restricted to cuDNN (``cudnn``) and FlashAttention-2
-(``flash``); ``n/a`` where a backend refuses the problem.
+choice (``default``; the kernels it launched are printed and kept in the JSON), and
+restricted to cuDNN (``cudnn``) and FlashAttention-2 (``flash``); ``n/a`` where a
+backend refuses the problem. Every call of a problem is timed in ``--rounds``
+interleaved rounds (a prefill runs the GPU near its power limit, and the clock it
+settles at differs from the first call's); ``spread_%`` is the largest spread of a
+row's calls over the rounds.
 
-    python benchmarks/bench_prefill_attention.py [--tune]
+    python benchmarks/bench_prefill_attention.py [--tune] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -116,11 +120,19 @@ class PrefillProblem:
 def measure(
     problem: PrefillProblem, provider: TritonProvider, block_size: int, own_keys: bool = False
 ) -> dict[str, Any]:
+    run = checked_runner(problem, provider, block_size, own_keys)
+    ms = _timing.median_ms(run)
+    return {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12, "max_abs_err": run.error}
+
+
+def checked_runner(
+    problem: PrefillProblem, provider: TritonProvider, block_size: int, own_keys: bool = False
+):
+    """``problem.paged_runner`` with its largest error against SDPA as ``.error``."""
     run = problem.paged_runner(provider, block_size, own_keys)
     expected = problem.sdpa_runner()().float()
-    error = (problem.as_sdpa_layout(run()).float() - expected).abs().max().item()
-    ms = _timing.median_ms(run)
-    return {"ms": ms, "tflops": problem.flops / (ms * 1e-3) / 1e12, "max_abs_err": error}
+    run.error = (problem.as_sdpa_layout(run()).float() - expected).abs().max().item()
+    return run
 
 
 def tune(device: torch.device) -> dict[str, Any]:
@@ -169,6 +181,7 @@ def tune(device: torch.device) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune", action="store_true", help="sweep launch parameters first")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     parser.add_argument(
         "--once", action="store_true", help="run the 8 x 2048 problem once (for a profiler)"
     )
@@ -176,7 +189,7 @@ def main() -> None:
     device = _timing.require_cuda()
     if args.once:
         problem = PrefillProblem(*PROBLEMS["prefill"], device)
-        problem.paged_runner(TritonProvider(), 128)()
+        problem.paged_runner(TritonProvider(), 128, own_keys=True)()
         problem.sdpa_runner()()
         torch.cuda.synchronize()
         return
@@ -185,38 +198,50 @@ def main() -> None:
     if tuning:
         provider.prefill_launch = tuning["launch"]
         provider.prefill_launch_small_pages = tuning["launch_small_pages"]
-    rows = []
+    portable = TritonProvider()
+    portable.hopper_prefill = False
+    portable.prefill_launch = provider.prefill_launch
+    portable.prefill_launch_small_pages = provider.prefill_launch_small_pages
+    rows, default_kernels = [], {}
     for name, shape in PROBLEMS.items():
         problem = PrefillProblem(*shape, device)
-        peers = {}
+        calls = {}
         for backend in _timing.SDPA_PEERS:
             runner = problem.sdpa_runner(backend)
-            peers[backend] = _timing.median_ms(runner) if runner is not None else None
+            if runner is not None:
+                calls[backend] = runner
+        default_kernels[name] = _timing.kernel_names(calls["default"])
+        print(f"{name}: SDPA's default launched {default_kernels[name]}")
+        for block_size in (128, 16):
+            calls[f"triton {block_size}"] = checked_runner(problem, provider, block_size, True)
+            calls[f"pages {block_size}"] = checked_runner(problem, provider, block_size)
+            calls[f"portable {block_size}"] = checked_runner(problem, portable, block_size, True)
+        timed = _timing.interleaved_median_ms(calls, args.rounds)
+        peers = {backend: timed[backend][0] if backend in timed else None
+                 for backend in _timing.SDPA_PEERS}  # fmt: skip
         best = min(ms for ms in peers.values() if ms is not None)
         for block_size in (128, 16):
-            result = measure(problem, provider, block_size, own_keys=True)
-            pages = measure(problem, provider, block_size)
-            provider.hopper_prefill = False
-            portable = measure(problem, provider, block_size, own_keys=True)
-            provider.hopper_prefill = True
+            ms = timed[f"triton {block_size}"][0]
+            labels = ("triton", "portable", "pages")
             row = {
                 "problem": name,
                 "block": block_size,
-                "triton_ms": result["ms"],
-                "triton_TFLOP/s": result["tflops"],
-                "portable_TFLOP/s": portable["tflops"],
-                "pages_TFLOP/s": pages["tflops"],
-            }
-            for backend, ms in peers.items():
-                tflops = problem.flops / (ms * 1e-3) / 1e12 if ms is not None else None
+                "triton_ms": ms,
+                **{f"{label}_TFLOP/s": problem.flops / (timed[f"{label} {block_size}"][0]
+                                                       * 1e-3) / 1e12 for label in labels},
+            }  # fmt: skip
+            for backend, peer_ms in peers.items():
+                tflops = problem.flops / (peer_ms * 1e-3) / 1e12 if peer_ms is not None else None
                 row[f"{backend}_TFLOP/s"] = tflops if tflops is not None else "n/a"
-                row[f"vs_{backend}"] = ms / result["ms"] if ms is not None else "n/a"
-            row["vs_best_sdpa"] = best / result["ms"]
-            row["max_err"] = max(
-                result["max_abs_err"], pages["max_abs_err"], portable["max_abs_err"]
-            )
+                row[f"vs_{backend}"] = peer_ms / ms if peer_ms is not None else "n/a"
+            row["vs_best_sdpa"] = best / ms
+            row["max_err"] = max(calls[f"{label} {block_size}"].error for label in labels)
+            row["spread_%"] = max(
+                spread for call, (_, spread) in timed.items()
+                if call in peers or call.endswith(f" {block_size}")
+            )  # fmt: skip
             rows.append(row)
-        del problem
+        del problem, calls
         torch.cuda.empty_cache()
     _timing.print_table(list(rows[0]), rows)
     _timing.write_json(
@@ -227,6 +252,8 @@ def main() -> None:
                 "prefill_launch": provider.prefill_launch,
                 "prefill_launch_small_pages": provider.prefill_launch_small_pages,
             },
+            "sdpa_default_kernels": default_kernels,
+            "rounds": args.rounds,
             "tuning": tuning,
             "rows": rows,
         },
