@@ -71,6 +71,7 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         mla_settings = _mla_scheduling(vllm_config)
         super().check_and_update_config(vllm_config)  # empties the capture sizes
         _restore_mla_scheduling(vllm_config, mla_settings)
+        mla_rotary_in_pytorch(vllm_config)
         if compilation.cudagraph_mode != CUDAGraphMode.NONE:
             compilation.cudagraph_capture_sizes = capture_sizes
             _host_graph_compilation(compilation, requested_mode)
@@ -152,6 +153,31 @@ def _restore_mla_scheduling(
         f"{PREFIX} host mode: MLA with chunked prefill %s and prefix caching %s",
         "on" if vllm_config.scheduler_config.enable_chunked_prefill else "off",
         "on" if vllm_config.cache_config.enable_prefix_caching else "off",
+    )
+
+
+ROTARY_OP = "rotary_embedding"
+
+
+def mla_rotary_in_pytorch(vllm_config: VllmConfig) -> None:
+    """Rotate an MLA model's queries and keys with vLLM's PyTorch rotary embedding.
+
+    vLLM's CPU rotary-embedding kernel (``torch.ops._C.rotary_embedding``, used by
+    ``RotaryEmbedding.forward_cpu`` when custom ops are on, as in eager mode) rotates a
+    3-D query ``[tokens, heads, rope_dim]``, the way vLLM's MLA layers pass ``q_pe``,
+    wrongly, and one token's result depends on how many tokens the batch holds: greedy
+    tokens of an MLA model then change with the batch and leave transformers'. A user's
+    explicit ``+rotary_embedding`` is kept."""
+    model_config = vllm_config.model_config
+    if model_config is None or not model_config.use_mla:
+        return
+    custom_ops = vllm_config.compilation_config.custom_ops
+    if f"+{ROTARY_OP}" in custom_ops or f"-{ROTARY_OP}" in custom_ops:
+        return
+    custom_ops.append(f"-{ROTARY_OP}")
+    logger.info(
+        f"{PREFIX} host mode: MLA rotary embedding in PyTorch (vLLM's CPU rotary kernel "
+        "rotates MLA's 3-D queries wrongly)"
     )
 
 
