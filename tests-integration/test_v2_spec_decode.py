@@ -1,4 +1,4 @@
-"""Speculative decoding with EAGLE and MTP on vLLM's Model Runner V2 in host mode
+"""Speculative decoding with EAGLE, MTP and ngram on vLLM's Model Runner V2 in host mode
 (``VLLM_USE_V2_MODEL_RUNNER=1``), eager and with the drafter's own FULL graphs captured
 by npu-graphs (V2's ``SpeculatorCudaGraphManager`` replaced by the bridge's).
 
@@ -21,6 +21,16 @@ The drafters (``test_spec_decode.py``'s checkpoints) draft ``k = 2`` tokens:
 
 The MTP layer also runs under FULL_AND_PIECEWISE (compiled, as vLLM compiles the
 drafter with the target), where mixed batches replay PIECEWISE pieces.
+
+ngram (V2's ``NgramGPUSpeculator``, its two kernels in PyTorch through the bridge) on the
+tiny Llama, eager and FULL_DECODE_ONLY (it has no graphs of its own; verify steps
+replay the target's): each proposal must hold the drafts of the rule (the rightmost
+longest match, the last sampled token where none), and some must be accepted. V2's
+ngram drafts for every request at every decode step (the fallback included), so every
+decode step verifies ``k`` drafts per request. The random Llama seldom repeats what it
+has seen, so one prompt is a run of the token it repeats (acceptances), beside two
+prompts holding the whole vocabulary (a match at every step, mostly rejected) and a
+short one.
 
 The target's graphs are captured at first use (host mode's default); the drafter's at
 start-up.
@@ -53,6 +63,13 @@ MODES = ("eager", "FULL_DECODE_ONLY")
 # And the MTP layer under FULL_AND_PIECEWISE: vLLM compiles the drafter as the target, so
 # draft prefills of mixed batches replay its pieces (the bridge's).
 RUNS = [(method, mode) for method in METHODS for mode in MODES] + [("mtp", "FULL_AND_PIECEWISE")]
+NGRAM = {
+    "method": "ngram",  # V2 runs "ngram" and "ngram_gpu" alike (the bridge accepts "ngram")
+    "num_speculative_tokens": K,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 2,
+}
+REPEATED_TOKEN = 335  # the tiny Llama (checkpoints.py) answers eight of it with more of it
 
 
 def _graphs(graph_mode: str, **compilation) -> dict:
@@ -73,6 +90,15 @@ def _eagle(draft) -> dict:
 MTP = {"method": "mtp", "num_speculative_tokens": K}
 
 
+def _ngram_prompts() -> dict:
+    """Two prompts of the whole vocabulary, a run of ``REPEATED_TOKEN``, a short one."""
+    prompts = test_spec_decode._prompts()
+    return {
+        "prompts": [*prompts[:2], [REPEATED_TOKEN] * 8, prompts[3]],
+        "max_tokens": [12, 9, 12, 4],
+    }
+
+
 def _mtp_engine(model, mode: str, **options) -> dict:
     rng = random.Random(3)
     prompts = [
@@ -91,8 +117,9 @@ def _mtp_engine(model, mode: str, **options) -> dict:
 
 @pytest.fixture(scope="module")
 def results(checkpoints, tmp_path_factory) -> dict[str, dict]:
-    """Every engine's result by name: ``{v1,v2}-{llama,mtp}`` without speculation,
-    ``{eagle,mtp}-{mode}`` and ``eagle-stale`` on V2."""
+    """Every engine's result by name: ``{v1,v2}-{llama,llama-ngram,mtp}`` without
+    speculation, ``{eagle,mtp,mtp2,ngram}-{mode}``, ``mtp-FULL_AND_PIECEWISE`` and
+    ``eagle-stale`` on V2."""
     root = tmp_path_factory.mktemp("v2-spec-decode")
     target = checkpoints["llama"]
     draft = write_eagle_draft(target, root / "eagle-draft")
@@ -102,6 +129,7 @@ def results(checkpoints, tmp_path_factory) -> dict[str, dict]:
     references = {
         "llama": {**engine, **_graphs("eager")},
         "mtp": _mtp_engine(mtp_model, "eager"),
+        "llama-ngram": {**engine, **_graphs("eager"), **_ngram_prompts()},
     }
     v2_engines = {f"v2-{name}": options for name, options in references.items()}
     for mode in MODES:
@@ -112,6 +140,12 @@ def results(checkpoints, tmp_path_factory) -> dict[str, dict]:
         }
         v2_engines[f"mtp-{mode}"] = _mtp_engine(mtp_model, mode, speculative_config=MTP)
         v2_engines[f"mtp2-{mode}"] = _mtp_engine(mtp2_model, mode, speculative_config=MTP)
+        v2_engines[f"ngram-{mode}"] = {
+            **engine,
+            **_graphs(mode),
+            **_ngram_prompts(),
+            "speculative_config": NGRAM,
+        }
     v2_engines["mtp-FULL_AND_PIECEWISE"] = _mtp_engine(
         mtp_model, "FULL_AND_PIECEWISE", speculative_config=MTP
     )
@@ -134,7 +168,7 @@ def _check_ran_on_v2(result: dict) -> None:
     assert result["model_runners"] == ["HostModelRunnerV2"], result["model_runners"]
 
 
-@pytest.mark.parametrize("model", ["llama", "mtp"])
+@pytest.mark.parametrize("model", ["llama", "mtp", "llama-ngram"])
 def test_v2_without_speculation_equals_v1(results, model):
     v1, v2 = results[f"v1-{model}"], results[f"v2-{model}"]
     assert "error" not in v1, v1["error"]
@@ -186,3 +220,35 @@ def test_draft_replays_without_task_update_draft_otherwise(results):
     assert result["tokens"] == results["v2-llama"]["tokens"]
     assert len(result["drafts"]) == len(eager["drafts"])
     assert result["drafts"] != eager["drafts"], "stale draft replays drafted the same tokens"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ngram_keeps_greedy_tokens_and_accepts_drafts(results, mode):
+    """V2's ngram drafter: the greedy tokens of V2 and V1 without speculation; every
+    proposal the rule's drafts; drafts accepted (the repeated token's run) and
+    rejected; with FULL_DECODE_ONLY, verify steps replay the target's graphs (the
+    drafter has none) and the drafts are the eager run's."""
+    result = results[f"ngram-{mode}"]
+    _check_ran_on_v2(result)
+    stats, counters = result["spec"], result["counters"]
+    print(
+        f"\nngram {mode} on V2: drafts {stats['num_drafts']}, draft tokens "
+        f"{stats['num_draft_tokens']}, accepted {stats['num_accepted_tokens']} "
+        f"(per position {stats['accepted_per_position']}); graph counters {counters}"
+    )
+    reference = results["v1-llama-ngram"]["tokens"]
+    for i, (ours, theirs) in enumerate(zip(result["tokens"], reference)):
+        assert ours == theirs, f"prompt {i}: with ngram on V2 {ours} != V1 without {theirs}"
+    assert result["tokens"] == results["v2-llama-ngram"]["tokens"]
+    assert result["tokens"][2] == [REPEATED_TOKEN] * 12, "the Llama no longer repeats its token"
+    assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] == K * stats["num_drafts"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    assert all(stats["accepted_per_position"]), stats
+    assert result["drafts"] and all(len(row) == K for step in result["drafts"] for row in step)
+    assert result["drafts"] == result["rule_drafts"]
+    if mode == "eager":
+        assert counters["captured"] == counters["replayed_steps"] == 0, counters
+        return
+    assert counters["task_updates"] == counters["replayed_steps"] > 0, counters
+    assert counters["draft_captured"] == counters["draft_replayed_steps"] == 0, counters
+    assert result["drafts"] == results["ngram-eager"]["drafts"]

@@ -3,8 +3,11 @@
 Same spec and output, with more result fields:
 
 * ``"model_runners"``: the bridge's model runner classes this engine built;
-* ``"drafts"``: per proposal of the EAGLE / MTP drafter while the engine generated, the
-  draft tokens of each request of the batch (``[[token, ...], ...]``, batch order);
+* ``"drafts"``: per proposal of the EAGLE / MTP / ngram drafter while the engine
+  generated, the draft tokens of each request of the batch (``[[token, ...], ...]``,
+  batch order);
+* ``"rule_drafts"``: for the ngram drafter, per proposal, the drafts its documented rule
+  gives on each request's token history at that step (:func:`ngram_drafts_by_rule`);
 * an engine's ``"skip_draft_updates": true`` makes the drafter's FULL replays (V2's
   ``BridgeSpeculatorGraphManager``) skip their task update (``"skipped_draft_updates"``
   counts them), the stale-update control.
@@ -15,6 +18,7 @@ Same spec and output, with more result fields:
 from __future__ import annotations
 
 import functools
+import inspect
 
 import spec_runner
 from v2_runner import record_model_runners
@@ -25,18 +29,23 @@ def main() -> None:
     from vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator import (
         MultiModuleMTPSpeculator,
     )
+    from vllm.v1.worker.gpu.spec_decode.ngram.speculator import NgramGPUSpeculator
     from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator import (
         TargetDependentARSpeculator,
     )
 
     built: list[str] = []
     drafts: list[list[list[int]]] = []
+    rule_drafts: list[list[list[int]]] = []
     generating: list[bool] = []
 
     record_model_runners(built)
 
     for cls in (TargetDependentARSpeculator, MultiModuleMTPSpeculator):
         cls.propose = _recording_propose(cls.propose, drafts, generating)
+    NgramGPUSpeculator.propose = _recording_propose(
+        NgramGPUSpeculator.propose, drafts, generating, rule_drafts
+    )
 
     generate = LLM.generate
 
@@ -54,23 +63,71 @@ def main() -> None:
     def run_engine_with_v2_fields(*args, **kwargs) -> dict:
         built.clear()
         drafts.clear()
+        rule_drafts.clear()
         result = run_engine(*args, **kwargs)
-        return {**result, "model_runners": list(built), "drafts": list(drafts)}
+        return {
+            **result,
+            "model_runners": list(built),
+            "drafts": list(drafts),
+            "rule_drafts": list(rule_drafts),
+        }
 
     spec_runner._run_engine = run_engine_with_v2_fields
     spec_runner._skip_draft_updates = _skip_v2_draft_updates
     spec_runner.main()
 
 
-def _recording_propose(propose, drafts: list, generating: list):
+def _recording_propose(propose, drafts: list, generating: list, rule_drafts: list | None = None):
+    signature = inspect.signature(propose)
+
     @functools.wraps(propose)  # the bridge's hook reads propose's signature
     def recording_propose(self, *args, **kwargs):
+        recording = generating and not kwargs.get("dummy_run", False)
+        if recording and rule_drafts is not None:
+            arguments = signature.bind(self, *args, **kwargs).arguments
+            rule_drafts.append(_ngram_rule_drafts(self, **arguments))
         tokens = propose(self, *args, **kwargs)
-        if generating and not kwargs.get("dummy_run", False):
+        if recording:
             drafts.append(tokens.tolist())
         return tokens
 
     return recording_propose
+
+
+def _ngram_rule_drafts(speculator, input_batch, num_sampled, last_sampled, **_) -> list:
+    """What :func:`ngram_drafts_by_rule` drafts for each request of the batch, from the
+    token histories vLLM's ngram speculator reads (its request states)."""
+    states = speculator.req_states
+    lengths = states.total_len.gpu.tolist()
+    last = last_sampled.view(-1).tolist()
+    return [
+        ngram_drafts_by_rule(
+            states.all_token_ids.gpu[state, : lengths[state]].tolist(),
+            int(num_sampled[row]),
+            last[state],
+            speculator.min_n,
+            speculator.max_n,
+            speculator.num_speculative_steps,
+        )
+        for row, state in enumerate(input_batch.idx_mapping.tolist())
+    ]
+
+
+def ngram_drafts_by_rule(
+    history: list[int], num_sampled: int, last: int, min_n: int, max_n: int, k: int
+) -> list[int]:
+    """vLLM's ngram drafting rule on Model Runner V2, from its documentation: the
+    longest suffix of ``min_n`` to ``max_n`` tokens that occurred before (ending before
+    the suffix itself), at its rightmost occurrence; the ``k`` tokens that followed it,
+    the last sampled token where the history ends first; without a match, or when
+    the request sampled nothing, ``k`` times the last sampled token."""
+    if num_sampled > 0:
+        for n in range(max_n, min_n - 1, -1):
+            for pos in range(len(history) - n - 1, -1, -1):
+                if history[pos : pos + n] == history[len(history) - n :]:
+                    follows = history[pos + n : pos + n + k]
+                    return follows + [last] * (k - len(follows))
+    return [last] * k
 
 
 def _skip_v2_draft_updates(skipped: list[int]):
