@@ -106,3 +106,38 @@ def write_mtp_checkpoint(path: Path, num_mtp_layers: int = 1) -> Path:
         metadata={"format": "pt"},
     )
     return path
+
+
+# A DeepSeek-V3-shaped MoE on the same attention: both layers route each token to 2 of 8
+# experts (sigmoid scores, 2 groups of 4 of which 1 is chosen, scores renormalised and
+# scaled by routed_scaling_factor 2.5) beside one shared expert. transformers' router is
+# always sigmoid with the correction bias, and its config has no key for either; vLLM reads
+# them from the config (without them it routes by softmax, and tokens leave transformers').
+MLA_MOE = dict(
+    first_k_dense_replace=0,
+    n_routed_experts=8,
+    n_group=2,
+    topk_group=1,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+)
+
+
+def write_mla_moe_checkpoint(path: Path) -> Path:
+    """Write a DeepSeek-V3 MoE checkpoint (``MLA`` attention, ``MLA_MOE`` experts, float32)
+    to ``path`` and return it. transformers initialises the routers' expert-selection bias
+    (``e_score_correction_bias``) to zeros; it is drawn here (std 0.1, beside sigmoid
+    scores in (0, 1)), so that it takes part in the choice of experts."""
+    from safetensors.torch import load_file, save_file
+
+    write_mla_checkpoint(path, **MLA_MOE)
+    weights_path = path / "model.safetensors"
+    weights = load_file(str(weights_path))
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in weights.items():
+        if name.endswith("e_score_correction_bias"):
+            weights[name] = torch.randn(tensor.shape, generator=generator) * 0.1
+    save_file(weights, str(weights_path), metadata={"format": "pt"})
+    return path

@@ -13,6 +13,9 @@ prefill steps, unequal ones, and hand-overs at the MoE collectives; with FULL gr
 split decode steps replayed from one graph of both micro-batches, each micro-batch's
 attention tasks updated with its own plan before each replay.
 
+The same with FULL graphs on a tiny DeepSeek-V3-shaped MoE (MLA attention, grouped
+sigmoid routing), whose one rank first matches transformers.
+
 The same as a user serves it: a DP=2 OpenAI-compatible server with ``--enable-dbo``
 (``servers.py``; the checkpoint gets a word-level tokenizer), the eight prompts sent as
 concurrent completions requests, eagerly and with FULL graphs, against the same one
@@ -28,8 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from checkpoints import write_word_tokenizer
+from checkpoints import hf_greedy, write_word_tokenizer
 from dp_ranks import PROMPTS, by_prompt, run_rank_results, write_tiny_moe
+from mla_checkpoints import write_mla_moe_checkpoint
 from servers import Server, serve
 
 from npu_vllm_bridge.graphs.counters import COUNTERS_DIR_ENV
@@ -74,14 +78,11 @@ def one_rank(tiny_moe, tmp_path_factory):
     return tokens, by_prompt(results, "logprobs")
 
 
-@pytest.mark.parametrize("graphs", ["eager", "full"])
-def test_two_micro_batched_ranks_equal_one_rank(tiny_moe, one_rank, tmp_path, graphs):
-    engine = {**DBO, **(FULL_GRAPHS if graphs == "full" else {})}
-    results = run_rank_results(
-        tiny_moe, 2, tmp_path, name=f"dbo-{graphs}", max_tokens=MAX_TOKENS, engine=engine
-    )
+def _check_micro_batched_ranks(results: list[dict], reference: tuple, graphs: str) -> None:
+    """Two DP ranks' ``results`` with DBO against one rank's (tokens, logprobs), and each
+    rank's split steps, hand-overs and, with graphs, micro-batched replays."""
     tokens, logprobs = by_prompt(results, "tokens"), by_prompt(results, "logprobs")
-    expected_tokens, expected_logprobs = one_rank
+    expected_tokens, expected_logprobs = reference
     for index, (ours, theirs) in enumerate(zip(tokens, expected_tokens)):
         assert ours == theirs, f"prompt {index}: DBO {ours} != one rank {theirs}"
     for index, (ours, theirs) in enumerate(zip(logprobs, expected_logprobs)):
@@ -104,6 +105,30 @@ def test_two_micro_batched_ranks_equal_one_rank(tiny_moe, one_rank, tmp_path, gr
         # its first step, replayed after), the unequal 1 + 2 split among them (the
         # prefill step splits its padded 20 tokens 10 + 10).
         assert c["split_captured"] + c["split_replayed_steps"] == c["split_decode_steps"], summary
+
+
+@pytest.mark.parametrize("graphs", ["eager", "full"])
+def test_two_micro_batched_ranks_equal_one_rank(tiny_moe, one_rank, tmp_path, graphs):
+    engine = {**DBO, **(FULL_GRAPHS if graphs == "full" else {})}
+    results = run_rank_results(
+        tiny_moe, 2, tmp_path, name=f"dbo-{graphs}", max_tokens=MAX_TOKENS, engine=engine
+    )
+    _check_micro_batched_ranks(results, one_rank, graphs)
+
+
+def test_mla_moe_two_micro_batched_ranks_with_graphs_equal_one_rank(tmp_path):
+    """A DeepSeek-V3-shaped MoE (``write_mla_moe_checkpoint``: MLA attention, grouped
+    sigmoid routing with a correction bias, a shared expert, both layers MoE): one rank,
+    eager, gives transformers' tokens; two ranks with DBO and FULL graphs give them."""
+    model = write_mla_moe_checkpoint(tmp_path / "tiny-deepseek-v3-moe")
+    one = run_rank_results(model, 1, tmp_path, max_tokens=MAX_TOKENS)
+    tokens = by_prompt(one, "tokens")
+    assert tokens == hf_greedy(model, PROMPTS, MAX_TOKENS), "one rank differs from transformers"
+    engine = {**DBO, **FULL_GRAPHS}
+    results = run_rank_results(
+        model, 2, tmp_path, name="dbo-full", max_tokens=MAX_TOKENS, engine=engine
+    )
+    _check_micro_batched_ranks(results, (tokens, by_prompt(one, "logprobs")), "full")
 
 
 def _complete(server: Server, index: int) -> dict:
