@@ -8,24 +8,13 @@ import json
 
 import pytest
 import torch
+from tiny_configs import TINY_LLAMA
 from vllm.config import CompilationConfig, ModelConfig, VllmConfig, set_current_vllm_config
 
 from npu_vllm_bridge.platforms.host import mla_rotary_in_pytorch
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "torch_dtype": "float32",
-}
 MLA = {
-    **LLAMA,
+    **TINY_LLAMA,
     "architectures": ["DeepseekV2ForCausalLM"],
     "model_type": "deepseek_v2",
     "kv_lora_rank": 64,
@@ -87,7 +76,7 @@ def test_host_mode_rotates_mla_models_in_pytorch(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("fields", "custom_ops"), [(LLAMA, ["all"]), (MLA, ["all", "+rotary_embedding"])]
+    ("fields", "custom_ops"), [(TINY_LLAMA, ["all"]), (MLA, ["all", "+rotary_embedding"])]
 )
 def test_host_mode_keeps_the_rotary_kernel_of_gqa_models_and_an_explicit_choice(
     tmp_path, fields, custom_ops

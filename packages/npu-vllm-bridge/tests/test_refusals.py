@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from tiny_configs import write_config
 from vllm.config import CacheConfig, ModelConfig, VllmConfig
 from vllm.v1.attention.selector import AttentionSelectorConfig
 
@@ -77,24 +76,6 @@ def test_impl_refuses_unsupported_options(overrides, message):
         BridgeAttentionImpl(**{**IMPL_ARGS, **overrides})
 
 
-def _write_config(path, **fields) -> str:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 512,
-        "torch_dtype": "float32",
-    }
-    config.update(fields)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 def _vllm_config(model: str, **cache) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="float32"),
@@ -103,11 +84,11 @@ def _vllm_config(model: str, **cache) -> VllmConfig:
 
 
 def test_supported_llama_passes_the_checks(tmp_path):
-    checks.check_model_and_options(_vllm_config(_write_config(tmp_path, head_dim=64)))
+    checks.check_model_and_options(_vllm_config(write_config(tmp_path, head_dim=64)))
 
 
 def test_unsupported_head_size_is_named(tmp_path):
-    config = _vllm_config(_write_config(tmp_path, head_dim=48))
+    config = _vllm_config(write_config(tmp_path, head_dim=48))
     message = (
         r"head size 48 \(model .*\) with the 'reference' attention provider; supported "
         r"head sizes: \[32, 64, 80, 96, 112, 128, 160, 192, 224, 256\]"
@@ -118,7 +99,7 @@ def test_unsupported_head_size_is_named(tmp_path):
 
 @pytest.mark.parametrize("head_dim", [32, 112])
 def test_head_sizes_of_vllm_cpu_attention_pass_the_checks(tmp_path, head_dim):
-    checks.check_model_and_options(_vllm_config(_write_config(tmp_path, head_dim=head_dim)))
+    checks.check_model_and_options(_vllm_config(write_config(tmp_path, head_dim=head_dim)))
 
 
 def test_head_sizes_come_from_the_platforms_provider(tmp_path, monkeypatch):
@@ -132,7 +113,7 @@ def test_head_sizes_come_from_the_platforms_provider(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(AscendProvider, "head_sizes", (128,))
     assert NPUBridgeAttentionBackend.get_supported_head_sizes() == [128]
-    config = _vllm_config(_write_config(tmp_path, head_dim=64))
+    config = _vllm_config(write_config(tmp_path, head_dim=64))
     with pytest.raises(
         ValueError, match=r"'ascend' attention provider; supported head sizes: \[128\]"
     ):
@@ -140,7 +121,7 @@ def test_head_sizes_come_from_the_platforms_provider(tmp_path, monkeypatch):
 
 
 def test_fp8_kv_cache_is_refused(tmp_path):
-    config = _vllm_config(_write_config(tmp_path, head_dim=64), cache_dtype="fp8")
+    config = _vllm_config(write_config(tmp_path, head_dim=64), cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*fp8 KV cache"):
         checks.check_model_and_options(config)
 
@@ -161,20 +142,20 @@ MLA_FIELDS = dict(
 
 
 def test_mla_model_is_accepted(tmp_path):
-    config = _vllm_config(_write_config(tmp_path, **MLA_FIELDS))
+    config = _vllm_config(write_config(tmp_path, **MLA_FIELDS))
     assert config.model_config.use_mla
     checks.check_model_and_options(config)
 
 
 def test_sparse_mla_model_is_refused(tmp_path):
-    config = _vllm_config(_write_config(tmp_path, **MLA_FIELDS))
+    config = _vllm_config(write_config(tmp_path, **MLA_FIELDS))
     config.model_config.hf_text_config.index_topk = 2048
     with pytest.raises(ValueError, match=r"does not support sparse MLA \(index_topk=2048"):
         checks.check_model_and_options(config)
 
 
 def test_mla_widths_the_provider_cannot_take_are_refused(tmp_path):
-    config = _vllm_config(_write_config(tmp_path, **{**MLA_FIELDS, "kv_lora_rank": 2048}))
+    config = _vllm_config(write_config(tmp_path, **{**MLA_FIELDS, "kv_lora_rank": 2048}))
     with pytest.raises(
         ValueError,
         match=r"MLA layers of .* with the 'reference' MLA provider \(num_heads=4, "
@@ -194,13 +175,13 @@ def test_mla_refusals_name_the_platforms_provider(tmp_path, monkeypatch):
         type(current_platform), "bridge_settings", BridgeSettings("ascend"), raising=False
     )
     monkeypatch.setattr(AscendMLAProvider, "is_available", classmethod(lambda cls: True))
-    config = _vllm_config(_write_config(tmp_path, **MLA_FIELDS))
+    config = _vllm_config(write_config(tmp_path, **MLA_FIELDS))
     with pytest.raises(ValueError, match=r"'ascend' MLA provider.*kv_lora_rank=64.*needs"):
         checks.check_model_and_options(config)
 
 
 def test_block_size_not_a_multiple_of_16_is_refused(tmp_path):
-    config = _vllm_config(_write_config(tmp_path, head_dim=64))
+    config = _vllm_config(write_config(tmp_path, head_dim=64))
     config.cache_config.block_size = 24
     config.cache_config.user_specified_block_size = True
     with pytest.raises(ValueError, match="multiple of 16, got block_size=24"):

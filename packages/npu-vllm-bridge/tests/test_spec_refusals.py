@@ -2,38 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
+from tiny_configs import write_config
 from vllm.config import ModelConfig, SpeculativeConfig, VllmConfig
 
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.speculative import check_speculative
 
 
-def _write_config(path, **fields) -> str:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "head_dim": 64,
-        "vocab_size": 256,
-        "max_position_embeddings": 512,
-        "torch_dtype": "float32",
-    }
-    config.update(fields)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 def _model(path, dtype="float32", **fields) -> ModelConfig:
-    return ModelConfig(model=_write_config(path, **fields), skip_tokenizer_init=True, dtype=dtype)
+    return ModelConfig(
+        model=write_config(path, **{"head_dim": 64, **fields}),
+        skip_tokenizer_init=True,
+        dtype=dtype,
+    )
 
 
 def _config(target: ModelConfig, method: str, k: int = 2, draft: ModelConfig | None = None, **more):
@@ -134,7 +118,9 @@ def test_a_draft_models_own_config_passes_the_startup_checks(tmp_path):
     """vLLM checks the draft model's VllmConfig (``runner="draft"``) with the platform
     when it loads a ``draft_model`` drafter; the bridge serves its attention too."""
     draft = ModelConfig(
-        model=_write_config(tmp_path / "draft"), skip_tokenizer_init=True, runner="draft"
+        model=write_config(tmp_path / "draft", head_dim=64),
+        skip_tokenizer_init=True,
+        runner="draft",
     )
     assert draft.runner_type == "draft"
     checks.check_model_and_options(VllmConfig(model_config=draft))
