@@ -79,8 +79,7 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
             parallel.worker_cls = HOST_WORKER
-        # vLLM indexes the binding by every rank: DP x PP x TP x PCP entries.
-        _default_omp_threads_bind(parallel.world_size_across_dp)
+        _default_omp_threads_bind(ranks_on_this_node(parallel))
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
@@ -199,6 +198,24 @@ def omp_threads_bind(cpus: list[int], ranks: int) -> str:
         groups.append(",".join(str(cpu) for cpu in cpus[start:end]))
         start = end
     return "|".join(groups)
+
+
+def ranks_on_this_node(parallel) -> int:
+    """The CPU workers this node starts, one binding entry each: its share of a
+    data-parallel replica's TP x PP x PCP ranks (vLLM's ``local_world_size``, the
+    replica's ranks over the nodes it spans) times the replicas it hosts
+    (``data_parallel_size_local``). vLLM 0.32 and 0.33 give a worker the entries
+    ``[local DP rank x local_world_size, + local_world_size)`` of the list, so a list
+    sized by the ranks of every node would put each node's workers on the first
+    node's share.
+
+    vLLM's offline data parallelism (``VLLM_DP_*`` variables, one process per DP rank,
+    ``data_parallel_rank_local`` set from them) does not say how many DP ranks share
+    the node: there the list covers every DP rank, exact on one node."""
+    replicas = parallel.data_parallel_size_local
+    if parallel.data_parallel_rank_local is not None:
+        replicas = parallel.data_parallel_size
+    return parallel.local_world_size * replicas
 
 
 def _default_omp_threads_bind(ranks: int) -> None:
