@@ -1,5 +1,6 @@
 """Paged-KV attention for LLM inference: ``plan`` once per step, ``run`` once per layer."""
 
+from npu_attention import kv_quant
 from npu_attention._version import __version__
 from npu_attention.buffers import PlanBuffers
 from npu_attention.context_parallel import (
@@ -7,6 +8,7 @@ from npu_attention.context_parallel import (
     merge_attention_states,
     plan_context,
 )
+from npu_attention.kv_quant import KV_CACHE_DTYPES, KVScales
 from npu_attention.mla import (
     LatentCache,
     MLASpec,
@@ -31,11 +33,13 @@ from npu_attention.spec import (
 )
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "SUPPORTED_DTYPES",
     "AttentionPlan",
     "AttentionProvider",
     "AttentionSpec",
     "BatchState",
+    "KVScales",
     "LatentCache",
     "MLASpec",
     "PlanBuffers",
@@ -43,6 +47,7 @@ __all__ = [
     "available_providers",
     "dcp_local_seq_lens",
     "get_provider",
+    "kv_quant",
     "merge_attention_states",
     "mla_decode",
     "mla_prefill",

@@ -9,6 +9,8 @@ from typing import ClassVar
 
 import torch
 
+from npu_attention import kv_quant
+
 MAX_HEAD_SIZE = 1024  # sanity bound; each provider declares the sizes it takes
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_BLOCK_SIZE = 16
@@ -66,6 +68,11 @@ class AttentionSpec(StepSpec):
         logits_soft_cap: ``c`` replaces each score ``s`` by ``c * tanh(s / c)``; ``None`` off.
         scale: score scale; ``None`` means ``1 / sqrt(head_size)``.
         num_speculative_tokens: draft tokens verified per decode request (0 = none).
+        kv_cache_dtype: what the pages hold (``npu_attention.kv_quant``): ``"auto"``
+            (``dtype``), ``"fp8"`` / ``"fp8_e4m3"`` (float8_e4m3fn pages, a scale per
+            tensor), ``"int8_per_token_head"`` / ``"fp8_per_token_head"`` (int8 or
+            float8_e4m3fn pages, a scale per token and KV head written with each row).
+            Query, key, value and output stay in ``dtype``.
     """
 
     num_heads: int
@@ -78,6 +85,7 @@ class AttentionSpec(StepSpec):
     logits_soft_cap: float | None = None
     scale: float | None = None
     num_speculative_tokens: int = 0
+    kv_cache_dtype: str = "auto"
 
     provider_family: ClassVar[str] = "attention"
 
@@ -117,6 +125,17 @@ class AttentionSpec(StepSpec):
             raise ValueError(
                 f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}"
             )
+        kv_quant.check_kv_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype of the KV pages: ``dtype``, ``torch.int8`` or ``torch.float8_e4m3fn``."""
+        return kv_quant.cache_dtype(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def kv_scales(self) -> kv_quant.ScaleKind:
+        """Where the cache's scales live (``ScaleKind.NONE`` for ``auto``)."""
+        return kv_quant.scale_kind(self.kv_cache_dtype)
 
     @property
     def softmax_scale(self) -> float:

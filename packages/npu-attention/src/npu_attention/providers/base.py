@@ -29,6 +29,13 @@ class AttentionProvider(ABC):
     head_sizes: ClassVar[tuple[int, ...]] = VLLM_HEAD_SIZES
     # Whether ``attend`` can also write the rows' log-sum-exp (``lse=``).
     returns_lse: ClassVar[bool] = False
+    # Whether ``write_kv`` / ``attend`` need contiguous query, key, value and out rows
+    # (they refuse others instead of copying: a copy inside a graph task would run
+    # outside the graph when the task is re-issued). Callers make them contiguous first.
+    contiguous_inputs: ClassVar[bool] = False
+    # ``AttentionSpec.kv_cache_dtype`` values the provider reads and writes; a provider
+    # that takes quantized kinds gets ``scales=`` in ``write_kv`` and ``attend``.
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -42,12 +49,19 @@ class AttentionProvider(ABC):
         """Refuse a spec the provider cannot run (called by ``plan`` before any work).
 
         Raises:
-            ValueError: a head size not in ``head_sizes``, naming the provider and its sizes.
+            ValueError: a head size not in ``head_sizes`` or a ``kv_cache_dtype`` not in
+                ``kv_cache_dtypes``, naming the provider and what it takes.
         """
         if spec.head_size not in self.head_sizes:
             raise ValueError(
                 f"attention provider {self.name!r} does not support head_size="
                 f"{spec.head_size}; its head sizes are {list(self.head_sizes)}"
+            )
+        kv_cache_dtype = getattr(spec, "kv_cache_dtype", "auto")
+        if kv_cache_dtype not in self.kv_cache_dtypes:
+            raise ValueError(
+                f"attention provider {self.name!r} does not support kv_cache_dtype="
+                f"{kv_cache_dtype!r}; it takes {list(self.kv_cache_dtypes)}"
             )
 
     def prepare(self, plan: AttentionPlan) -> Any:
@@ -65,7 +79,12 @@ class AttentionProvider(ABC):
     ) -> None:
         """Scatter ``key``/``value`` ``[tokens, kv_heads, head_size]`` into the caches
         ``[num_blocks, block_size, kv_heads, head_size]`` at ``plan.slot_mapping``;
-        slots ``< 0`` are padding and are skipped."""
+        slots ``< 0`` are padding and are skipped.
+
+        A provider with quantized ``kv_cache_dtypes`` also takes ``scales``
+        (``npu_attention.kv_quant.KVScales``, checked by ``run``) for a quantized spec:
+        it quantizes with per-tensor scales, or writes per-token-head scales beside the
+        rows."""
 
     @abstractmethod
     def attend(
@@ -86,4 +105,8 @@ class AttentionProvider(ABC):
 
         ``lse``: ``None``, or float32 ``[tokens, heads]`` that gets each real row's
         natural-log log-sum-exp of its scores (``-inf``, with an ``out`` row of zeros,
-        for a row that sees no key)."""
+        for a row that sees no key).
+
+        A quantized spec's pages are read dequantized (``scales=``, as in ``write_kv``),
+        except that a ``PREFILL_NO_CACHE`` step given its own ``key``/``value`` may
+        attend over those rows unquantized."""

@@ -24,7 +24,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from npu_attention import kv_quant
 from npu_attention._inputs import HostArrays
+from npu_attention.kv_quant import KVScales, ScaleKind
 from npu_attention.plan import AttentionPlan
 from npu_attention.providers.base import VLLM_HEAD_SIZES, AttentionProvider
 from npu_attention.spec import AttentionSpec
@@ -82,6 +84,7 @@ class ReferenceProvider(AttentionProvider):
     device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     head_sizes: ClassVar[tuple[int, ...]] = VLLM_HEAD_SIZES  # plain PyTorch: any size works
     returns_lse: ClassVar[bool] = True
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = kv_quant.KV_CACHE_DTYPES
 
     def prepare(self, plan: AttentionPlan) -> ReferenceData:
         host = plan.host_arrays
@@ -100,6 +103,8 @@ class ReferenceProvider(AttentionProvider):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         plan: AttentionPlan,
+        *,
+        scales: KVScales | None = None,
     ) -> None:
         target = plan.provider_data.kv_write
         count = target.blocks.shape[0]
@@ -109,8 +114,22 @@ class ReferenceProvider(AttentionProvider):
             key, value = key[:count], value[:count]
         else:
             key, value = key.index_select(0, target.tokens), value.index_select(0, target.tokens)
-        key_cache.index_put_((target.blocks, target.offsets), key)
-        value_cache.index_put_((target.blocks, target.offsets), value)
+        where = (target.blocks, target.offsets)
+        kind = plan.spec.kv_scales
+        if kind is ScaleKind.NONE:
+            key_cache.index_put_(where, key)
+            value_cache.index_put_(where, value)
+        elif kind is ScaleKind.PER_TENSOR:
+            key_cache.index_put_(where, kv_quant.quantize_per_tensor(key, scales.k))
+            value_cache.index_put_(where, kv_quant.quantize_per_tensor(value, scales.v))
+        else:
+            for rows, cache, scale_cache in (
+                (key, key_cache, scales.k),
+                (value, value_cache, scales.v),
+            ):
+                codes, row_scales = kv_quant.quantize_per_token_head(rows, cache.dtype)
+                cache.index_put_(where, codes)
+                scale_cache.index_put_(where, row_scales)
 
     def attend(
         self,
@@ -123,6 +142,7 @@ class ReferenceProvider(AttentionProvider):
         value: torch.Tensor | None = None,
         *,
         lse: torch.Tensor | None = None,
+        scales: KVScales | None = None,
     ) -> None:
         spec = plan.spec
         heads, kv_heads, head_size = spec.num_heads, spec.num_kv_heads, spec.head_size
@@ -131,14 +151,16 @@ class ReferenceProvider(AttentionProvider):
             out.index_fill_(0, keyless, 0.0)
             if lse is not None:
                 lse.index_fill_(0, keyless, float("-inf"))
+        # A quantized cache's own-row prefill attends over the unquantized rows.
+        own_rows = key is not None and spec.kv_scales is not ScaleKind.NONE
         for tile in plan.provider_data.tiles:
             kv_shape = (tile.batch, tile.key_len, kv_heads, head_size)
-            if key_cache is None:
+            if key_cache is None or (own_rows and tile.kv_tokens is not None):
                 tile_k = key.index_select(0, tile.kv_tokens).view(kv_shape)
                 tile_v = value.index_select(0, tile.kv_tokens).view(kv_shape)
             else:
-                tile_k = key_cache.index_select(0, tile.kv_blocks).view(kv_shape)
-                tile_v = value_cache.index_select(0, tile.kv_blocks).view(kv_shape)
+                tile_k = _gather_pages(key_cache, tile.kv_blocks, kv_shape, spec, scales, 0)
+                tile_v = _gather_pages(value_cache, tile.kv_blocks, kv_shape, spec, scales, 1)
             tile_q = query.index_select(0, tile.query_tokens)
             rows = masked_attention(
                 tile_q.view(tile.batch, tile.query_len, heads, head_size),
@@ -158,6 +180,27 @@ class ReferenceProvider(AttentionProvider):
             if tile.out_rows is not None:
                 rows = rows.index_select(0, tile.out_rows)
             out.index_copy_(0, tile.out_tokens, rows.to(out.dtype))
+
+
+def _gather_pages(
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    kv_shape: tuple[int, int, int, int],
+    spec: AttentionSpec,
+    scales: KVScales | None,
+    which: int,
+) -> torch.Tensor:
+    """The pages ``blocks`` of ``cache`` as ``kv_shape`` ``[b, keys, kv_heads, d]``:
+    as stored, or float32 ``code * scale`` for a quantized cache (``which``: 0 for the
+    keys' scales, 1 for the values')."""
+    pages = cache.index_select(0, blocks).view(kv_shape)
+    kind = spec.kv_scales
+    if kind is ScaleKind.NONE:
+        return pages
+    scale = scales[which]
+    if kind is ScaleKind.PER_TOKEN_HEAD:
+        scale = scale.index_select(0, blocks).view(*kv_shape[:3], 1)
+    return kv_quant.dequantize(pages, scale)
 
 
 def masked_attention(
