@@ -8,7 +8,8 @@ tolerance (bfloat16 2e-2, float16 3e-3): pages of 8 to 128 tokens with contexts 
 either side of page edges, NaN in every cache slot the batch does not hold, speculative
 decodes of 2 to 4 tokens, splits with the log-sum-exp, and a CUDA graph replayed on the
 next batch. Without a GPU, the choice of kernel, its program rows and its split counts
-are checked.
+are checked. The warpgroup-MMA kernel, which the provider takes for programs of more
+than 32 rows, is switched off here (``test_triton_hopper_mla_wide_decode.py`` tests it).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ hopper = pytest.importorskip("npu_attention.providers.triton_kernels.hopper_mla_
 
 HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a GPU of compute capability 9.x")
+
+
+@pytest.fixture(autouse=True)
+def _without_the_wide_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step of this module on the ``mma.sync`` kernel."""
+    monkeypatch.setattr(TritonMLAProvider, "_wide_launch", lambda self, step: None)
 
 
 def _spec(num_heads: int = 16, spec_tokens: int = 0, **overrides: object) -> MLASpec:

@@ -2,9 +2,14 @@
 
 ``prepare`` (once per step) picks the decode kernel and its number of KV splits:
 on GPUs of compute capability 9.x with Triton 3.6, DeepSeek's widths (latent 512,
-rope 64) go to the Gluon kernel of ``hopper_mla_decode.py``; everything else (other
-widths, float32, other GPUs and Triton versions, triton-ascend) to the portable
-kernel of ``mla_decode.py``. ``write_cache`` and ``decode`` only launch kernels that
+rope 64) go to a Gluon kernel; everything else (other widths, float32, other GPUs and
+Triton versions, triton-ascend) to the portable kernel of ``mla_decode.py``. Of the
+two Gluon kernels, ``hopper_mla_wide_decode.py`` (warpgroup MMAs, 64 query rows a
+program) takes steps whose programs fill more than 32 rows of heads x query tokens
+(128 heads; 16 heads with 3 or 4 query tokens) when they have at least
+``hopper_wide_min_decodes`` decodes; the rest (16 heads of one or two tokens, single
+requests) go to ``hopper_mla_decode.py`` (``mma.sync``, 16 to 64 rows, fewer heads a
+program for small batches), which is faster there. ``write_cache`` and ``decode`` only launch kernels that
 read the step from the plan's device tensors, so both can be captured in a device
 graph and replayed after the plan's fixed buffers are refreshed.
 
@@ -51,11 +56,13 @@ _MAX_KV_SPLITS = 64
 @dataclass(frozen=True)
 class HopperMLALaunch:
     """The Gluon decode's launch: ``heads`` query heads a program at most, ``block_n``
-    keys a tile, ``stages`` tiles in flight."""
+    keys a tile, ``stages`` tiles in flight; ``wide``: the warpgroup-MMA kernel of
+    ``hopper_mla_wide_decode.py`` (else ``hopper_mla_decode.py``)."""
 
     heads: int
     block_n: int
     stages: int
+    wide: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class TritonMLAProvider(ReferenceMLAProvider):
             slots that stops adding splits (see ``_hopper_splits``).
         hopper_min_programs: decodes with fewer programs than this share of the
             multiprocessors take fewer query heads a program (see ``_hopper_heads``).
+        hopper_wide_decode, hopper_wide_min_decodes: the warpgroup-MMA decode on or off,
+            and the fewest decodes of a step it takes (see ``_wide_launch``).
         hopper_prefill: prefills without cached context through the Gluon prefill
             (Hopper GPUs, 192-wide keys and 128-wide values, or equal widths it takes).
         attention: the ``triton`` attention provider whose prefill launch the portable
@@ -149,6 +158,10 @@ class TritonMLAProvider(ReferenceMLAProvider):
         self.hopper_min_tokens_per_split = 64
         self.hopper_min_fill = 0.9
         self.hopper_min_programs = 0.25
+        # The warpgroup-MMA decode (``hopper_mla_wide_decode.py``) for programs of more
+        # than 32 rows, from this many decodes a step.
+        self.hopper_wide_decode = True
+        self.hopper_wide_min_decodes = 2
         self.hopper_prefill = True
         self.attention = TritonProvider()
 
@@ -291,9 +304,33 @@ class TritonMLAProvider(ReferenceMLAProvider):
             spec.kv_lora_rank, spec.qk_rope_head_dim, spec.dtype, spec.block_size, tokens
         ):
             return None
+        wide = self._wide_launch(plan)
+        if wide is not None:
+            return wide
         heads = self._hopper_heads(plan, kernels.program_rows)
         launch = self.hopper_launch
         return HopperMLALaunch(heads, launch["block_n"], launch["num_stages"])
+
+    def _wide_launch(self, plan: AttentionPlan) -> HopperMLALaunch | None:
+        """The warpgroup-MMA decode's launch where it takes the plan's decodes: its
+        switch on, at least ``hopper_wide_min_decodes`` decodes, and a shape it takes
+        (programs of 33 to 64 rows of heads x query tokens); else ``None``."""
+        spec = plan.spec
+        if not self.hopper_wide_decode or plan.num_decodes < self.hopper_wide_min_decodes:
+            return None
+        wide = gluon_kernels(plan.device, "hopper_mla_wide_decode")
+        tokens = 1 + spec.num_speculative_tokens
+        if wide is None or not wide.shape_supported(
+            spec.kv_lora_rank,
+            spec.qk_rope_head_dim,
+            spec.dtype,
+            spec.block_size,
+            spec.num_heads,
+            tokens,
+        ):
+            return None
+        heads = wide.program_heads(spec.num_heads, tokens)
+        return HopperMLALaunch(heads, wide.BLOCK_N, wide.STAGES, wide=True)
 
     def _hopper_heads(self, plan: AttentionPlan, program_rows) -> int:
         """Query heads a Gluon program takes: as many as fit its rows, halved (down to
@@ -329,6 +366,24 @@ class TritonMLAProvider(ReferenceMLAProvider):
             q_latent, q_rope, cache.kv_c, cache.k_pe, out
         ):
             return False
+        if launch.wide:
+            gluon_kernels(q_latent.device, "hopper_mla_wide_decode").hopper_mla_wide_decode(
+                q_latent,
+                q_rope,
+                cache.kv_c,
+                cache.k_pe,
+                out,
+                plan.cu_seqlens_q,
+                plan.seq_lens,
+                plan.block_tables,
+                num_decodes=plan.num_decodes,
+                num_decode_tokens=plan.num_decode_tokens,
+                tokens_per_req=1 + plan.spec.num_speculative_tokens,
+                scale=plan.spec.softmax_scale,
+                num_splits=plan.provider_data.num_kv_splits,
+                lse=lse,
+            )
+            return True
         kernels.hopper_mla_decode(
             q_latent,
             q_rope,

@@ -250,7 +250,7 @@ def _page_descriptor(plane: torch.Tensor, page_rows: int, dtype) -> "TensorDescr
 if HAVE_GLUON:
 
     @aggregate
-    class _Shape:
+    class DecodeShape:
         """Compile-time sizes shared by the two partitions."""
 
         num_heads: gl.constexpr
@@ -272,9 +272,9 @@ if HAVE_GLUON:
             self.write_lse = gl.constexpr(write_lse)
 
     @gluon.jit
-    def _load_partition(
+    def load_partition(
         kv_desc, pe_desc, kv_smem, pe_smem, ready, empty, seq_lens_ptr, block_tables_ptr,
-        table_width, stride_bt, shape: _Shape,
+        table_width, stride_bt, shape: DecodeShape,
     ):  # fmt: skip
         """One warp: each tile's latent and rope rows into the ring (one ``ready``
         barrier a stage for both; ``hopper_decode.load_ring``)."""
@@ -287,7 +287,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _stage_queries(
         q_ptr, qr_ptr, q_smem, qr_smem, q_start, q_len,
-        stride_qt, stride_qh, stride_rt, stride_rh, shape: _Shape,
+        stride_qt, stride_qh, stride_rt, stride_rh, shape: DecodeShape,
     ):  # fmt: skip
         """The program's query rows into shared memory (row ``r``: query token ``r //
         heads`` of the request, head ``r % heads`` of the program's group), zeros past
@@ -323,7 +323,7 @@ if HAVE_GLUON:
         q_smem.index(7).store(c7)
 
     @gluon.jit
-    def _clear_keys_past(kv_tile, first, hi):
+    def clear_keys_past(kv_tile, first, hi):
         """Zero the rows of keys at or past ``hi`` of a latent tile in shared memory
         (slots past the request: unfetched, or whatever the page holds there)."""
         BLOCK_N: gl.constexpr = kv_tile.type.shape[0]
@@ -356,7 +356,7 @@ if HAVE_GLUON:
         q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, ready, empty, out_ptr,
         partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_lt, stride_lh,
-        qk_scale, shape: _Shape,
+        qk_scale, shape: DecodeShape,
     ):  # fmt: skip
         """The consumer warps: the program's rows against its key tiles, then the store."""
         STAGES: gl.constexpr = kv_smem.type.shape[0]
@@ -396,7 +396,7 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
             kv = kv_smem.index(stage)
             if first + BLOCK_N > hi:
-                _clear_keys_past(kv, first, hi)
+                clear_keys_past(kv, first, hi)
             s = _scores(q_smem, qr_smem, kv, pe_smem.index(stage), zero_s, a_layout, b_layout)
             if j >= num_full:
                 keys = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -419,7 +419,7 @@ if HAVE_GLUON:
                     shape)  # fmt: skip
 
     @gluon.jit
-    def _store_chunk(acc, c: gl.constexpr, l_i, where, shape: _Shape):
+    def _store_chunk(acc, c: gl.constexpr, l_i, where, shape: DecodeShape):
         """Columns ``[c * width, (c + 1) * width)`` of the normalized rows; ``where``:
         the destinations and each row's token, head, partial row and validity."""
         out_ptr, partial_out_ptr, token, head, row, valid, stride_ot, stride_oh = where
@@ -437,7 +437,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_rows(
         acc0, acc1, acc2, acc3, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr,
-        q_start, q_len, stride_ot, stride_oh, stride_lt, stride_lh, shape: _Shape,
+        q_start, q_len, stride_ot, stride_oh, stride_lt, stride_lh, shape: DecodeShape,
     ):  # fmt: skip
         """Normalize and write the real rows: to ``out`` (and ``lse``), or as this
         split's partial rows (output and log2-domain LSE) for the merge kernel."""
@@ -484,7 +484,7 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=2 * PIECES)  # latent and rope: one each a piece
             mbarrier.init(empty.index(i), count=1)
-        shape = _Shape(NUM_HEADS, HEADS, ROWS, BLOCK_M, BLOCK_SIZE, SPLIT, WRITE_LSE)
+        shape = DecodeShape(NUM_HEADS, HEADS, ROWS, BLOCK_M, BLOCK_SIZE, SPLIT, WRITE_LSE)
         consumer_args = (
             q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, ready, empty, out_ptr,
             partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
@@ -496,5 +496,5 @@ if HAVE_GLUON:
             table_width, stride_bt, shape,
         )  # fmt: skip
         gl.warp_specialize(
-            [(_consumer_partition, consumer_args), (_load_partition, load_args)], [1], [32]
+            [(_consumer_partition, consumer_args), (load_partition, load_args)], [1], [32]
         )
