@@ -12,6 +12,11 @@ Gluon kernel of ``hopper_prefill.py`` on Hopper GPUs (``hopper_prefill``), else 
 the prefill tiles of contiguous keys. Every other batch reads keys from the pages;
 decodes whose programs fit one wave do so through the Gluon kernel of
 ``hopper_decode.py`` on Hopper GPUs (``hopper_decode``), else with the decode tiles.
+
+8-bit caches (``AttentionSpec.kv_cache_dtype``): the write kernel quantizes the rows
+(and writes per-token-head scales), the portable kernel loads 8-bit pages and
+dequantizes them in registers; a prefill without cached context still attends over
+its own rows in the model dtype (the Gluon prefill on Hopper).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from npu_attention import kv_quant
+from npu_attention.kv_quant import KVScales
 from npu_attention.plan import AttentionPlan
 from npu_attention.providers.base import VLLM_HEAD_SIZES, AttentionProvider
 from npu_attention.spec import AttentionSpec, BatchState
@@ -84,6 +91,7 @@ class TritonProvider(AttentionProvider):
     # The attention kernel (or, for split decodes, the merge of the splits) writes
     # each row's natural-log LSE on the device when ``attend`` gets ``lse=``.
     returns_lse: ClassVar[bool] = True
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = kv_quant.KV_CACHE_DTYPES
 
     def __init__(self) -> None:
         # The settings taken after measuring on an H100 and an H200; benchmarks/README.md
@@ -182,6 +190,8 @@ class TritonProvider(AttentionProvider):
         kernel (the tensors are checked again at ``attend``)."""
         if not self.hopper_decode or spec.sliding_window is not None or not spec.causal:
             return False
+        if spec.kv_cache_dtype != "auto":  # 8-bit pages: the portable kernel
+            return False
         if spec.logits_soft_cap is not None:
             return False
         if num_reqs * spec.num_kv_heads > _multiprocessors(device):
@@ -199,6 +209,8 @@ class TritonProvider(AttentionProvider):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         plan: AttentionPlan,
+        *,
+        scales: KVScales | None = None,
     ) -> None:
         from npu_attention.providers.triton_kernels import write_kv_cache
 
@@ -211,7 +223,8 @@ class TritonProvider(AttentionProvider):
                 f"{key.shape[0]} and {value.shape[0]}"
             )
         _check_caches(key_cache, value_cache, spec, key.device)
-        write_kv_cache(key, value, key_cache, value_cache, plan.slot_mapping)
+        k_scale, v_scale = _scales(spec, scales)
+        write_kv_cache(key, value, key_cache, value_cache, plan.slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -224,6 +237,7 @@ class TritonProvider(AttentionProvider):
         value: torch.Tensor | None = None,
         *,
         lse: torch.Tensor | None = None,
+        scales: KVScales | None = None,
     ) -> None:
         from npu_attention.providers.triton_kernels import paged_attention
 
@@ -242,10 +256,12 @@ class TritonProvider(AttentionProvider):
         paged = key_cache is not None or value_cache is not None
         if paged:
             _check_caches(key_cache, value_cache, spec, query.device)
+        k_scale, v_scale = _scales(spec, scales)
         if paged and not _reads_own_keys(plan, key, value):
             k, v, block_tables = key_cache, value_cache, plan.block_tables
         else:
             paged = False
+            k_scale = v_scale = None
             if key is None or value is None:
                 raise ValueError("attend needs key_cache/value_cache or key/value, got neither")
             for label, tensor in (("key", key), ("value", value)):
@@ -278,6 +294,8 @@ class TritonProvider(AttentionProvider):
             logits_soft_cap=spec.logits_soft_cap,
             paged=paged,
             lse=lse,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def _attend_hopper_prefill(
@@ -488,6 +506,20 @@ def _multiprocessors(device: torch.device) -> int:
     return multiprocessor_count(device)
 
 
+def _scales(
+    spec: AttentionSpec, scales: KVScales | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The key and value scales the kernels take: ``None`` for a cache in the model dtype."""
+    if spec.kv_cache_dtype == "auto":
+        return None, None
+    if scales is None:
+        raise ValueError(
+            f"kv_cache_dtype={spec.kv_cache_dtype!r} needs scales (npu_attention.run's "
+            "k_scale / v_scale), got None"
+        )
+    return scales.k, scales.v
+
+
 def _check_tokens(
     label: str, tensor: torch.Tensor, heads: int, head_size: int, dtype: torch.dtype
 ) -> None:
@@ -524,8 +556,8 @@ def _check_caches(
                 f"{label} must be [num_blocks, {', '.join(map(str, expected))}], "
                 f"got {tuple(cache.shape)}"
             )
-        if cache.dtype != spec.dtype:
-            raise TypeError(f"{label} must be {spec.dtype}, got {cache.dtype}")
+        if cache.dtype != spec.cache_dtype:
+            raise TypeError(f"{label} must be {spec.cache_dtype}, got {cache.dtype}")
         if cache.device != device:
             raise ValueError(f"{label} must be on {device}, got {cache.device}")
     if key_cache.shape[0] != value_cache.shape[0]:

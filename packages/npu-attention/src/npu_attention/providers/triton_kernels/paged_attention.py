@@ -19,6 +19,12 @@ each K/V tile is loaded once for all of them. Query token ``t`` of a request wit
 With ``lse`` given, each real query row also gets its log-sum-exp (natural log; the
 kernels keep scores in log2 units and convert on the store); a row that sees no key
 gets ``-inf`` and an output row of zeros.
+
+8-bit pages (``npu_attention.kv_quant``) are loaded as they are and converted to the
+query's dtype in registers (exact for int8 and e4m3 codes); the scales are applied
+where they cost least: a per-tensor key scale with the score scale and the value
+scale on the output; per-token-head key scales on the scores' columns and value
+scales on the probabilities before ``P @ V``.
 """
 
 from __future__ import annotations
@@ -115,6 +121,12 @@ def _attend_keys(
     qk_scale,
     soft_cap,
     window,
+    ks_ptr,
+    vs_ptr,
+    stride_ksb,
+    stride_kst,
+    stride_vsb,
+    stride_vst,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     VALUE_SIZE: tl.constexpr,
@@ -128,6 +140,7 @@ def _attend_keys(
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr = 0,
 ):
     """Online-softmax update over keys ``[key_positions_start, key_positions_end)``.
 
@@ -136,7 +149,9 @@ def _attend_keys(
     ``VALUE_SIZE`` is a power of two); otherwise keys ``>= valid_end`` and the causal /
     window masks apply. Values are ``VALUE_SIZE`` wide (MLA's prefill: 128 beside
     192-wide keys). ``m_i`` is kept in log2 units: ``scores * qk_scale`` (``qk_scale``
-    includes log2(e)).
+    includes log2(e)). ``KV_QUANT`` 2: ``ks_ptr``/``vs_ptr`` are the scale caches at
+    this KV head (per token: block and slot strides); 1: the per-tensor scales are
+    applied by the caller.
     """
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
@@ -155,6 +170,8 @@ def _attend_keys(
             in_page = start_n % BLOCK_SIZE + tl.arange(0, BLOCK_N)
             k_rows = block * stride_kb + in_page * stride_kt
             v_rows = block * stride_vb + in_page * stride_vt
+            ks_rows = block * stride_ksb + in_page * stride_kst
+            vs_rows = block * stride_vsb + in_page * stride_vst
         elif PAGED:
             if MASKED:
                 blocks = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
@@ -163,16 +180,25 @@ def _attend_keys(
             blocks = blocks.to(tl.int64)
             k_rows = blocks * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
             v_rows = blocks * stride_vb + (offs_n % BLOCK_SIZE) * stride_vt
+            ks_rows = blocks * stride_ksb + (offs_n % BLOCK_SIZE) * stride_kst
+            vs_rows = blocks * stride_vsb + (offs_n % BLOCK_SIZE) * stride_vst
         else:
             tokens = (kv_token_base + offs_n).to(tl.int64)
             k_rows = tokens * stride_kt
             v_rows = tokens * stride_vt
+            ks_rows = tokens * 0
+            vs_rows = tokens * 0
         k_ptrs = k_ptr + k_rows[None, :] + offs_d[:, None] * stride_kd
         if LOAD_MASKS:
             k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        if KV_QUANT > 0:
+            k = k.to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if KV_QUANT == 2:
+            k_scales = tl.load(ks_ptr + ks_rows, mask=n_mask, other=0.0)
+            scores = scores * k_scales[None, :]
         if USE_SOFT_CAP:  # from here on, scores are in log2 units
             scores = _softcap(scores * qk_scale, soft_cap) * 1.4426950408889634
             score_scale = 1.0
@@ -200,7 +226,12 @@ def _attend_keys(
             v = tl.load(v_ptrs, mask=n_mask[:, None] & v_mask[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        p_v = p
+        if KV_QUANT > 0:
+            v = v.to(q.dtype)
+            if KV_QUANT == 2:
+                p_v = p * tl.load(vs_ptr + vs_rows, mask=n_mask, other=0.0)[None, :]
+        acc = tl.dot(p_v.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -278,6 +309,14 @@ def _paged_attention_kernel(
     qk_scale,
     soft_cap,
     window,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
     NUM_HEADS: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -301,6 +340,7 @@ def _paged_attention_kernel(
     WRITE_LSE: tl.constexpr,
     PREFETCH_KEYS: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
+    KV_QUANT: tl.constexpr = 0,
 ):
     if PDL:  # launched early: wait for the kernel before this one, let the next one start
         tl.extra.cuda.gdc_wait()
@@ -323,6 +363,10 @@ def _paged_attention_kernel(
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    ks_base = k_scale_ptr + kv_head.to(tl.int64) * stride_ksh
+    vs_base = v_scale_ptr + kv_head.to(tl.int64) * stride_vsh
+    if KV_QUANT == 1:  # the key scale joins the score scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     if PREFETCH_KEYS > 0:  # noqa: SIM102 (constexpr branch); decode tiles, no window
         if split == 0:
             _prefetch_first_keys(
@@ -379,18 +423,22 @@ def _paged_attention_kernel(
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
+        qk_scale, soft_cap, window, ks_base, vs_base, stride_ksb, stride_kst, stride_vsb,
+        stride_vst, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
         BLOCK_N, PAGED, PAGE_TILES,
-        False, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
+        False, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, KV_QUANT,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
         query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        qk_scale, soft_cap, window, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
+        qk_scale, soft_cap, window, ks_base, vs_base, stride_ksb, stride_kst, stride_vsb,
+        stride_vst, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
         BLOCK_N, PAGED, PAGE_TILES,
-        True, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION,
+        True, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, KV_QUANT,
     )  # fmt: skip
 
+    if KV_QUANT == 1:  # the value scale, on the output
+        acc = acc * tl.load(v_scale_ptr)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no key seen: l_i = 0, acc = 0
     offs_v = tl.arange(0, VALUE_PAD)
     out_mask = row_mask[:, None] & (offs_v < VALUE_SIZE)[None, :]
@@ -483,6 +531,8 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     paged: bool = True,
     lse: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of ``query`` ``[tokens, heads, head_size]`` into ``out`` ``[tokens,
     heads, value_size]``.
@@ -502,6 +552,9 @@ def paged_attention(
         lse: optional float32 ``[>= cu_seqlens_q[-1], heads]`` (any strides): each real
             row's natural-log log-sum-exp of its scaled (soft-capped) scores, ``-inf``
             for a row that sees no key. With splits, the merge writes the combined LSE.
+        k_scale, v_scale: float32 scales of 8-bit pages (paged only): one element each,
+            or ``[num_blocks, block_size, kv_heads]`` (any strides) per token and head;
+            ``None`` for pages in the query's dtype.
 
     Rows of ``out`` (and ``lse``) past ``cu_seqlens_q[-1]`` are left untouched.
     """
@@ -543,6 +596,7 @@ def paged_attention(
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     use_soft_cap = logits_soft_cap is not None
     qk_scale = scale if use_soft_cap else scale * _LOG2E  # soft cap: log2(e) after the cap
+    kv_quant, scales, scale_strides = _scale_args(k_scale, v_scale, query)
     _paged_attention_kernel[grid](
         query,
         key_cache,
@@ -566,6 +620,8 @@ def paged_attention(
         qk_scale,
         float(logits_soft_cap or 1.0),
         int(sliding_window or 0),
+        *scales,
+        *scale_strides,
         NUM_HEADS=num_heads,
         QUERIES_PER_KV=queries_per_kv,
         HEAD_SIZE=head_size,
@@ -589,6 +645,7 @@ def paged_attention(
         WRITE_LSE=write_lse and not split,
         PREFETCH_KEYS=prefetch_keys,
         LINE_ELEMS=128 // key_cache.element_size(),
+        KV_QUANT=kv_quant,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **_pdl_launch(use_pdl),
@@ -597,6 +654,18 @@ def paged_attention(
         merge_splits(
             out, partial_out, partial_lse, lse, cu_seqlens_q, num_reqs, num_splits, pdl=use_pdl
         )
+
+
+def _scale_args(
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, placeholder: torch.Tensor
+) -> tuple[int, tuple[torch.Tensor, torch.Tensor], tuple[int, ...]]:
+    """``KV_QUANT`` (0 none, 1 per tensor, 2 per token and head), the two scale pointers
+    and their six strides (block, slot, head of each)."""
+    if k_scale is None:
+        return 0, (placeholder, placeholder), (0,) * 6
+    if k_scale.dim() == 3:
+        return 2, (k_scale, v_scale), (*k_scale.stride(), *v_scale.stride())
+    return 1, (k_scale, v_scale), (0,) * 6
 
 
 def split_buffers(

@@ -1,0 +1,133 @@
+"""The ``triton`` provider over 8-bit KV caches: the write kernel quantizes as vLLM
+defines each kind, the portable attention kernel dequantizes 8-bit pages in registers;
+both against the float64 oracle on the dequantized cache (``kv_quant_cases``), at the
+provider's tolerances (``npu_attention_cases.TOLERANCE``). Without a GPU the kernels
+run under Triton's interpreter (small cases, float32); on a GPU in bfloat16, with a
+CUDA graph replaying the next batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_quant_cases import (
+    QUANTIZED_KINDS,
+    assert_rows_written,
+    oracle,
+    quantized_paged,
+    run_quantized,
+)
+from npu_attention_cases import TOLERANCE, make_case
+from triton_interpreter import DEVICE, HAS_CUDA
+
+from npu_attention import AttentionSpec, BatchState, plan, run
+from npu_attention.kv_quant import ScaleKind
+
+pytest.importorskip("triton")
+
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
+BATCHES = {  # (query_lens, context_lens, num_decodes, num_speculative_tokens, state)
+    "prefill_no_cache": ([5, 9], [0, 0], 0, 0, BatchState.PREFILL_NO_CACHE),
+    "prefill_cache_hit": ([7, 3], [16, 17], 0, 0, BatchState.PREFILL_CACHE_HIT),
+    "decode_only": ([1, 1, 1], [15, 16, 33], 3, 0, BatchState.DECODE_ONLY),
+    "spec_decoding": ([3, 3], [5, 32], 2, 2, BatchState.SPEC_DECODING),
+    "chunked_prefill": ([1, 1, 6], [31, 2, 10], 2, 0, BatchState.CHUNKED_PREFILL),
+}
+
+
+def _check(case, out, quant, step) -> None:
+    n = case.num_tokens
+    expected = oracle(case, quant, step.state)
+    torch.testing.assert_close(out[:n].cpu().double(), expected.cpu(), **TOLERANCE[case.spec.dtype])
+    assert (out[n:] == -3.0).all(), "padding rows of out must be left untouched"
+    assert_rows_written(case, quant, exact=not HAS_CUDA)
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_batch_states(kind: str, name: str) -> None:
+    query_lens, context_lens, num_decodes, spec_tokens, state = BATCHES[name]
+    spec = AttentionSpec(4, 2, 64, 16, dtype=DTYPE, kv_cache_dtype=kind,
+                         num_speculative_tokens=spec_tokens)  # fmt: skip
+    case = make_case(spec, query_lens, context_lens, num_decodes, pad_tokens=2, device=DEVICE)
+    out, quant, step = run_quantized(case, provider="triton")
+    assert step.state is state and type(step.provider).__name__ == "TritonProvider"
+    _check(case, out, quant, step)
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_head_sizes_at_page_edges(kind: str, head_size: int) -> None:
+    """Decodes whose contexts end one before and at a page boundary, and a prefill
+    chunk that starts one past it."""
+    spec = AttentionSpec(2, 1, head_size, 16, dtype=DTYPE, kv_cache_dtype=kind)
+    case = make_case(spec, [1, 1, 3], [15, 16, 17], 2, seed=head_size, device=DEVICE)
+    out, quant, step = run_quantized(case, provider="triton")
+    _check(case, out, quant, step)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8_per_token_head"])
+def test_split_decode_with_window_and_soft_cap(kind: str) -> None:
+    """One request on one KV head: its keys are split over programs and merged."""
+    spec = AttentionSpec(2, 1, 64, 16, dtype=DTYPE, kv_cache_dtype=kind,
+                         sliding_window=40, logits_soft_cap=20.0)  # fmt: skip
+    case = make_case(spec, [1], [300], 1, device=DEVICE)
+    out, quant, step = run_quantized(case, provider="triton")
+    assert step.provider_data.num_kv_splits > 1
+    _check(case, out, quant, step)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_gpu_batch_states_and_head_sizes(kind: str, head_size: int) -> None:
+    for name, (q, ctx, dec, spec_tokens, state) in BATCHES.items():
+        spec = AttentionSpec(8, 2, head_size, 16, dtype=torch.bfloat16, kv_cache_dtype=kind,
+                             num_speculative_tokens=spec_tokens)  # fmt: skip
+        case = make_case(spec, q, [c * 7 for c in ctx], dec, pad_tokens=2, device="cuda")
+        out, quant, step = run_quantized(case, provider="triton")
+        assert step.state is state, name
+        _check(case, out, quant, step)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+def test_gpu_graph_replay_of_the_next_batch(kind: str) -> None:
+    """A CUDA graph of one decode step (write + attention, scales as static tensors)
+    replays the next step after its step tensors are refreshed in place."""
+    spec = AttentionSpec(32, 8, 128, 16, dtype=torch.bfloat16, kv_cache_dtype=kind)
+    first = make_case(spec, [1] * 4, [100, 200, 300, 1300], 4, device="cuda")
+    second = make_case(spec, [1] * 4, [900, 3, 50, 1200], 4, seed=5, device="cuda")
+    quant = quantized_paged(first)
+    paged = quant.paged
+    step = plan(first.cu_seqlens_q, first.seq_lens, paged.block_tables.cuda(),
+                paged.slot_mapping.cuda(), 4, spec, provider="triton")  # fmt: skip
+    key, value = first.new_kv()
+    out = torch.empty_like(first.query)
+    scales = {"k_scale": quant.k_scale, "v_scale": quant.v_scale}
+    run(first.query, key, value, paged.key_cache, paged.value_cache, step, out, **scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(first.query, key, value, paged.key_cache, paged.value_cache, step, out, **scales)
+    per_tensor = spec.kv_scales is ScaleKind.PER_TENSOR  # the layer's scales stay
+    nxt = quantized_paged(second, 1, (quant.k_scale, quant.v_scale) if per_tensor else None)
+    blocks = nxt.paged.key_cache.shape[0]
+    assert blocks <= paged.key_cache.shape[0]
+    paged.key_cache[:blocks].copy_(nxt.paged.key_cache)
+    paged.value_cache[:blocks].copy_(nxt.paged.value_cache)
+    if not per_tensor:
+        quant.k_scale[:blocks].copy_(nxt.k_scale)
+        quant.v_scale[:blocks].copy_(nxt.v_scale)
+    new_key, new_value = second.new_kv()
+    first.query.copy_(second.query)
+    key.copy_(new_key)
+    value.copy_(new_value)
+    second_step = plan(second.cu_seqlens_q, second.seq_lens, nxt.paged.block_tables.cuda(),
+                       nxt.paged.slot_mapping.cuda(), 4, spec, provider="triton")  # fmt: skip
+    step.seq_lens.copy_(second_step.seq_lens)
+    step.slot_mapping.copy_(second_step.slot_mapping)
+    width = second_step.block_tables.shape[1]
+    step.block_tables.zero_()[:, :width].copy_(second_step.block_tables)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = oracle(second, nxt, BatchState.DECODE_ONLY)
+    torch.testing.assert_close(out.cpu().double(), expected.cpu(), **TOLERANCE[spec.dtype])
