@@ -16,8 +16,9 @@ MMAs (``wgmma``) from shared memory:
   the tile's 64 keys over the whole 576-wide row (the row maxima and sums are reduced
   across both) and accumulates 256 of the 512 output columns (128 float32 registers a
   thread), ``P`` going from registers to shared memory for the second product;
-- the next tile's scores are issued before this tile's ``P @ V``, so that the softmax
-  runs while the tensor cores work on the product;
+- each tile's scores are issued right behind the previous tile's ``P @ V``, whose
+  stage goes back to the loader as soon as that product is done, so that the next
+  tile's fetch has most of a tile's work to arrive in;
 - a request's keys are split over programs to fill the multiprocessors, and the merge
   kernel of ``mla_decode.py`` combines the splits by their log-sum-exps.
 
@@ -286,19 +287,21 @@ if HAVE_GLUON:
                 stage = j % RING
                 prev = (j - 1) % RING
                 first = lo + j * TILE
+                # The previous tile's P @ V first: its stage goes back to the loader as
+                # soon as it is done, while this tile's scores run.
+                o_tok = warpgroup_mma(p_smem, kv_smem.index(prev), o, is_async=True)
                 mbarrier.wait(ready.index(stage), (j // RING) & 1)
                 kv = kv_smem.index(stage)
                 if first + TILE > hi:
                     clear_keys_past(kv, first, hi)
                 s_tok = _scores(q_smem, qr_smem, kv, pe_smem.index(stage), zero_s)
-                o_tok = warpgroup_mma(p_smem, kv_smem.index(prev), o, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_tok, kv, pe_smem.index(stage)))[0]
+                o = warpgroup_mma_wait(1, deps=(o_tok, p_smem, kv_smem.index(prev)))[0]
+                mbarrier.arrive(empty.index(prev), count=1)
+                s = warpgroup_mma_wait(0, deps=(s_tok, kv, pe_smem.index(stage)))[0]
                 if j >= num_full:
                     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, first, row_end, True, qk_scale)
                 else:
                     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, first, row_end, False, qk_scale)
-                o = warpgroup_mma_wait(0, deps=(o_tok, p_smem, kv_smem.index(prev)))[0]
-                mbarrier.arrive(empty.index(prev), count=1)
                 o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 gl.thread_barrier()  # both warpgroups' P @ V have read P
                 _put_probs(p, p_smem)
