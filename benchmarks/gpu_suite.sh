@@ -11,6 +11,9 @@
 #   bash benchmarks/gpu_suite.sh tests   # the `-m cuda` tests of npu-attention and npu-graphs
 #                                        # (four processes at once: 4 minutes on a fresh H100 machine)
 #   bash benchmarks/gpu_suite.sh final   # every benchmark at its defaults
+#   bash benchmarks/gpu_suite.sh mla     # the MLA benchmarks: prefill, decode at 16 and 128
+#                                        # heads, 1 to 4 query tokens a request (FlashMLA beside
+#                                        # them where a `flash_mla` module is on PYTHONPATH)
 #
 # Each mode stays under 580 s (the parts' limits add up to that), inside one 10-minute
 # command; a part cut off at its limit loses only its own JSON.
@@ -20,7 +23,7 @@ cd "$(dirname "$0")/.."
 dest=${DEST:-${OUT:-benchmarks/results/suite}}
 mkdir -p "$dest" benchmarks/results
 export PYTHONUNBUFFERED=1
-export PYTHONPATH=packages/npu-attention/src:packages/npu-graphs/src
+export PYTHONPATH=packages/npu-attention/src:packages/npu-graphs/src${PYTHONPATH:+:$PYTHONPATH}
 log="$dest/$mode.log"
 : >"$log"
 
@@ -47,7 +50,8 @@ case $mode in
         attention=packages/npu-attention/tests
         triton_rest="$attention/test_triton_plan_run.py $attention/test_triton_context_parallel.py
             $attention/test_triton_hopper_prefill.py $attention/test_triton_hopper_decode.py
-            $attention/test_triton_hopper_mla_decode.py"
+            $attention/test_triton_hopper_mla_decode.py
+            $attention/test_triton_hopper_mla_wide_decode.py"
         pytest_cuda=(python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5)
         part_log=$dest/tests_provider.log part tests_provider 560 "${pytest_cuda[@]}" \
             "$attention/test_triton_provider.py" -k "not gpu_head_sizes" &
@@ -70,8 +74,16 @@ case $mode in
         part mla_decode 40 python benchmarks/bench_mla_decode.py
         part mla_decode_128 40 python benchmarks/bench_mla_decode.py --heads 128
         ;;
+    mla)
+        part mla_prefill 60 python benchmarks/bench_mla_prefill.py
+        part mla_decode 50 python benchmarks/bench_mla_decode.py
+        part mla_decode_spec 50 python benchmarks/bench_mla_decode.py --tokens 3 4 --batches 64
+        part mla_decode_128 60 python benchmarks/bench_mla_decode.py --heads 128
+        part mla_decode_128_spec 80 python benchmarks/bench_mla_decode.py --heads 128 \
+            --tokens 1 2 3 4 --batches 64
+        ;;
     *)
-        echo "usage: $0 sweep|tests|final" >&2
+        echo "usage: $0 sweep|tests|final|mla" >&2
         exit 2
         ;;
 esac

@@ -15,7 +15,8 @@ MMAs (``wgmma``) from shared memory:
 - two consumer warpgroups split the work by columns: each computes the scores of 32 of
   the tile's 64 keys over the whole 576-wide row (the row maxima and sums are reduced
   across both) and accumulates 256 of the 512 output columns (128 float32 registers a
-  thread), ``P`` going from registers to shared memory for the second product;
+  thread), ``P`` staying in registers as the A operand of the second product
+  (gathered from both warpgroups' halves);
 - each tile's scores are issued right behind the previous tile's ``P @ V``, whose
   stage goes back to the loader as soon as that product is done, so that the next
   tile's fetch has most of a tile's work to arrive in;
@@ -180,7 +181,6 @@ def hopper_mla_wide_decode(
         RING=STAGES,
         q_layout=nvmma_shared_layout(BLOCK_M, LATENT, dtype),
         qr_layout=nvmma_shared_layout(BLOCK_M, ROPE, dtype),
-        p_layout=nvmma_shared_layout(BLOCK_M, BLOCK_N, dtype),
         num_warps=8,
         maxnreg=168,
     )
@@ -248,16 +248,8 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
-    def _put_probs(p, p_smem):
-        """``P`` into shared memory for the next ``P @ V``, visible to both warpgroups'
-        MMAs once every warp has written its part."""
-        p_smem.store(p.to(p_smem.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-
-    @gluon.jit
     def _attend(
-        q_smem, qr_smem, kv_smem, pe_smem, p_smem, ready, empty, lo, hi, row_end, num_full,
+        q_smem, qr_smem, kv_smem, pe_smem, ready, empty, lo, hi, row_end, num_full,
         qk_scale, o_layout: gl.constexpr, s_layout: gl.constexpr,
     ):  # fmt: skip
         """The program's rows against its key tiles ``[lo, hi)``: the unnormalized
@@ -266,6 +258,7 @@ if HAVE_GLUON:
         TILE: gl.constexpr = kv_smem.type.shape[1]
         ROWS_M: gl.constexpr = q_smem.type.shape[0]
         WIDTH: gl.constexpr = kv_smem.type.shape[2]
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         m_i = gl.full([ROWS_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
         o = gl.zeros([ROWS_M, WIDTH], gl.float32, layout=o_layout)
@@ -282,20 +275,20 @@ if HAVE_GLUON:
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, row_end, True, qk_scale)
             else:
                 p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, row_end, False, qk_scale)
-            _put_probs(p, p_smem)
+            p_op = gl.convert_layout(p.to(kv_smem.dtype), p_layout)
             for j in range(1, num_tiles):
                 stage = j % RING
                 prev = (j - 1) % RING
                 first = lo + j * TILE
                 # The previous tile's P @ V first: its stage goes back to the loader as
                 # soon as it is done, while this tile's scores run.
-                o_tok = warpgroup_mma(p_smem, kv_smem.index(prev), o, is_async=True)
+                o_tok = warpgroup_mma(p_op, kv_smem.index(prev), o, is_async=True)
                 mbarrier.wait(ready.index(stage), (j // RING) & 1)
                 kv = kv_smem.index(stage)
                 if first + TILE > hi:
                     clear_keys_past(kv, first, hi)
                 s_tok = _scores(q_smem, qr_smem, kv, pe_smem.index(stage), zero_s)
-                o = warpgroup_mma_wait(1, deps=(o_tok, p_smem, kv_smem.index(prev)))[0]
+                o = warpgroup_mma_wait(1, deps=(o_tok, p_op, kv_smem.index(prev)))[0]
                 mbarrier.arrive(empty.index(prev), count=1)
                 s = warpgroup_mma_wait(0, deps=(s_tok, kv, pe_smem.index(stage)))[0]
                 if j >= num_full:
@@ -303,17 +296,16 @@ if HAVE_GLUON:
                 else:
                     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, first, row_end, False, qk_scale)
                 o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                gl.thread_barrier()  # both warpgroups' P @ V have read P
-                _put_probs(p, p_smem)
+                p_op = gl.convert_layout(p.to(kv_smem.dtype), p_layout)
             last = (num_tiles - 1) % RING
-            o = warpgroup_mma(p_smem, kv_smem.index(last), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o, p_smem, kv_smem.index(last)))[0]
+            o = warpgroup_mma(p_op, kv_smem.index(last), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o, p_op, kv_smem.index(last)))[0]
             mbarrier.arrive(empty.index(last), count=1)
         return o, m_i, l_i
 
     @gluon.jit
     def _consumer_partition(
-        q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, p_smem, ready, empty, out_ptr,
+        q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, ready, empty, out_ptr,
         partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_lt, stride_lh,
         qk_scale, shape: DecodeShape,
@@ -340,7 +332,7 @@ if HAVE_GLUON:
         row_end = gl.minimum(context_len + r // shape.heads + 1, hi)
         num_full = gl.maximum(gl.minimum(hi, context_len + 1) - lo, 0) // TILE
         o, m_i, l_i = _attend(
-            q_smem, qr_smem, kv_smem, pe_smem, p_smem, ready, empty, lo, hi, row_end,
+            q_smem, qr_smem, kv_smem, pe_smem, ready, empty, lo, hi, row_end,
             num_full, qk_scale, o_layout, s_layout,
         )  # fmt: skip
         _store_rows(o, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr, q_start,
@@ -392,7 +384,7 @@ if HAVE_GLUON:
         qk_scale, NUM_HEADS: gl.constexpr, HEADS: gl.constexpr, ROWS: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
         TILE_M: gl.constexpr, TILE_N: gl.constexpr, RING: gl.constexpr,
-        q_layout: gl.constexpr, qr_layout: gl.constexpr, p_layout: gl.constexpr,
+        q_layout: gl.constexpr, qr_layout: gl.constexpr,
     ):  # fmt: skip
         PIECES: gl.constexpr = TILE_N // kv_desc.block_type.shape[0]
         WIDTH: gl.constexpr = kv_desc.block_type.shape[1]  # the latent, 512
@@ -400,7 +392,6 @@ if HAVE_GLUON:
         dtype: gl.constexpr = kv_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [TILE_M, WIDTH], q_layout)
         qr_smem = gl.allocate_shared_memory(dtype, [TILE_M, RWIDTH], qr_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [TILE_M, TILE_N], p_layout)
         kv_smem = gl.allocate_shared_memory(dtype, [RING, TILE_N, WIDTH], kv_desc.layout)
         pe_smem = gl.allocate_shared_memory(dtype, [RING, TILE_N, RWIDTH], pe_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
@@ -410,7 +401,7 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=1)
         shape = DecodeShape(NUM_HEADS, HEADS, ROWS, TILE_M, BLOCK_SIZE, SPLIT, WRITE_LSE)
         consumer_args = (
-            q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, p_smem, ready, empty, out_ptr,
+            q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, ready, empty, out_ptr,
             partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
             stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_lt,
             stride_lh, qk_scale, shape,
