@@ -6,13 +6,19 @@ recorded; a name ``torch.npu`` does not export raises ``SchemaViolation``. The
 stand-in then models what the documentation says happens on the device, on CPU
 tensors:
 
-- Capture (``torch.npu.graph`` or ``NPUGraph.capture_begin``) records the
-  torch_npu ops issued on the capture stream instead of running them (out-form
-  and in-place ops only: a captured op's result is not available at capture);
-  ``replay`` runs the recorded ops, with the host arguments they were captured
-  or last updated with. Workspace sizing (``*_get_max_workspace``,
-  ``*_get_workspace``) is host work and runs at once. Capturing on the default
-  stream and a device synchronize during a capture fail.
+- Capture (``torch.npu.graph`` or ``NPUGraph.capture_begin``) records every op of
+  the capture, with npu-graphs' host recording rules (its ``host`` backend's
+  recorder: aten ops one by one, custom ops below, those registered whole as one
+  op): the aten ops run at capture, as a host graph's do, while each torch_npu op
+  is recorded whole and not run (out-form and in-place ops only: a captured op's
+  result is not available at capture). ``replay`` runs the recording, aten ops
+  included, on the captured tensors (a graph's tensors keep their addresses, as in
+  a device pool), each torch_npu op with the host arguments it was captured or last
+  updated with. Workspace sizing (``*_get_max_workspace``, ``*_get_workspace``) is
+  host work and runs at once, unrecorded. Capturing on the default stream and a
+  device synchronize during a capture fail. A graph holds one stream, and one more
+  per task group; captures past the device's stream budget fail (torch_npu's error
+  207005 on the NPU).
 - Several streams in one capture (as torch_npu's capture of a model that forks
   streams): a stream joins the capture by waiting for captured work (``wait_stream``
   on a captured stream, or ``wait_event`` on an ``Event`` recorded on one); its ops
@@ -25,8 +31,11 @@ tensors:
 - Task groups: ``graph_task_group_begin/end(stream)`` bracket ops on the capture
   stream and return a handle. ``graph_task_update_begin(stream, handle)`` ...
   ``graph_task_update_end(stream)`` must run on a stream other than the capture
-  stream, with that stream current, re-issuing the same number and kind of ops;
-  their host arguments replace the captured ones.
+  stream, with that stream current, re-issuing the same number and kind of ops on
+  the tensors of their capture (same address, shape, strides and dtype); their host
+  arguments replace the captured ones. Any other device work inside an update (an
+  aten copy, an allocation, a computation: on the NPU it would run eagerly, outside
+  the graph) is refused, naming the op; views (metadata only) pass.
 - ``ExternalEvent``: captured ``wait`` + ``reset`` on the capture stream before a
   task group make the replay wait for it; after an update, ``record`` on the
   update stream releases it. Replaying a graph with an updated task group whose
@@ -45,38 +54,67 @@ tensors:
   issued on a stream behind a held replay (not modeled). :meth:`NpuRuntime.held_replays`
   lists the replays still held.
 
-Anything else torch.npu exports raises ``NotModeled``. Nothing in the packages
-imports this module.
+Anything else torch.npu exports raises ``NotModeled`` (an ``AttributeError`` too:
+``hasattr`` answers False). :attr:`NpuRuntime.stats` counts captures, replays, task
+updates and synchronizes. Nothing in the packages imports this module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import inspect
 import threading
 import types
+import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from schema_stand_in import Call, CallLog, Launcher, NotModeled
+import torch
+from schema_stand_in import (
+    Call,
+    CallLog,
+    Launcher,
+    NotModeled,
+    NotModeledAttribute,
+    UnknownAttribute,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
+from torch.utils._python_dispatch import _pop_mode as _pop_dispatch_mode
 from torch_npu_schemas import PythonApi, SchemaViolation, bind_python
 
+from npu_graphs.backends.host import _SHAPE_QUERIES, HostGraph, _kind_of, _Recorder
+from npu_graphs.backends.host_program import Kind, Op, tensor_leaves
+from npu_graphs.planner import NPU_STREAM_BUDGET
+
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+STREAM_ERROR = 207005  # torch_npu / ACL: out of stream resources
 
 
-@dataclass
-class _Op:
+@dataclass(frozen=True)
+class NpuCall:
+    """A torch_npu op as a recorded graph op: ``call(**arguments)`` computes it."""
+
     name: str
     implementation: Callable[[dict[str, Any]], Any]
-    arguments: dict[str, Any]
+
+    def __call__(self, **arguments: Any) -> Any:
+        return self.implementation(arguments)
+
+    def __str__(self) -> str:
+        return f"torch_npu.{self.name}"
 
 
 @dataclass(eq=False)
 class TaskGroup:
-    """What ``graph_task_group_end`` hands out: the ops of one group of one graph."""
+    """What ``graph_task_group_end`` hands out: the ops of one group of one graph
+    (``start``: its first recorded op; ``op_indices``: its torch_npu ops)."""
 
     graph: StandInGraph
+    start: int = 0
     op_indices: list[int] = field(default_factory=list)
     events: list[StandInExternalEvent] = field(default_factory=list)
     updated_on: StandInStream | None = None  # stream of the last update not yet replayed
@@ -87,6 +125,7 @@ class TaskGroup:
 class _Capture:
     graph: StandInGraph
     stream: StandInStream
+    recorders: dict[int, _Recorder] = field(default_factory=dict)  # host thread -> recorder
     # Per stream in the capture: the open task group, the ExternalEvents waited (-> reset).
     groups: dict[StandInStream, TaskGroup] = field(default_factory=dict)
     waited: dict[StandInStream, dict[StandInExternalEvent, bool]] = field(default_factory=dict)
@@ -117,7 +156,8 @@ class _Capture:
 class _Update:
     group: TaskGroup
     stream: StandInStream
-    issued: list[_Op] = field(default_factory=list)
+    guard: _UpdateGuard
+    issued: list[tuple[NpuCall, dict[str, Any]]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -144,6 +184,12 @@ class NpuRuntime(Launcher):
         self.update: _Update | None = None
         self.queued: dict[StandInStream, list[Replay]] = {}  # launched, not finished
         self._streams = 0
+        self.stream_budget = NPU_STREAM_BUDGET  # streams the device gives captured graphs
+        self.graphs: weakref.WeakSet[StandInGraph] = weakref.WeakSet()  # captured, alive
+        # captures, replays, task_updates, replayed_ops, synchronizes (device, stream),
+        # event_synchronizes
+        self.stats: Counter = Counter()
+        self._modes: set[TorchDispatchMode] = set()  # pushed by this runtime, not popped
 
     @property
     def current_stream(self) -> StandInStream:
@@ -184,7 +230,7 @@ class NpuRuntime(Launcher):
 
     def check(self, qualname: str, signature: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         arguments = bind_python(signature, qualname, args, kwargs)
-        self.log.calls.append(Call(qualname, arguments))
+        self.log.record(Call(qualname, arguments))
         return arguments
 
     def check_function(self, name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -194,11 +240,39 @@ class NpuRuntime(Launcher):
         signature = self.api.method(cls, method)
         return self.check(f"torch.npu.{cls}.{method}", signature, args, kwargs)
 
+    def close(self) -> None:
+        """Pop the dispatch modes a failed capture or update left on this thread's stack."""
+        self.update = self.capture = None
+        while any(mode in self._modes for mode in _dispatch_mode_stack()):
+            self._modes.discard(_pop_dispatch_mode())
+
+    def _push(self, mode: TorchDispatchMode) -> None:
+        mode.__enter__()
+        self._modes.add(mode)
+
+    def _pop(self, mode: TorchDispatchMode) -> None:
+        mode.__exit__(None, None, None)
+        self._modes.discard(mode)
+
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """The stand-in's own work inside a capture: not recorded into the graph."""
+        if self.capture is None:
+            yield
+            return
+        host = self.capture.graph.host
+        host._opaque.depth = host.opaque_depth + 1
+        try:
+            yield
+        finally:
+            host._opaque.depth -= 1
+
     # -- ops from the torch_npu stand-in --------------------------------------------
     def launch(self, name: str, implementation: Callable[[dict], Any], arguments: dict) -> Any:
         if name.endswith("_get_max_workspace") or "_get_workspace" in name:
-            return implementation(arguments)  # host-side sizing, not a device task
-        op = _Op(name, implementation, arguments)
+            with self.unrecorded():  # host-side sizing, not a device task
+                return implementation(arguments)
+        call = NpuCall(name, implementation)
         if self.update is None and self.capture is None and self.queued.get(self.current_stream):
             raise NotModeled(
                 f"torch_npu.{name} issued on stream {self.current_stream.name} behind a replay "
@@ -210,8 +284,8 @@ class NpuRuntime(Launcher):
                 f"torch_npu.{name} re-issued for a task update on stream "
                 f"{self.current_stream.name}, not the update stream {self.update.stream.name}",
             )
-            self.update.issued.append(op)
-            return _deferred_result(op)
+            self.update.issued.append((call, arguments))
+            return _deferred_result(name, arguments)
         if self.capture is not None:
             stream = self.current_stream
             clock = self.capture.clocks.get(stream)
@@ -222,11 +296,13 @@ class NpuRuntime(Launcher):
                 "(it must first wait for the capture stream's work)",
             )
             clock[stream] += 1
-            self.capture.graph.ops.append(op)
+            result = _deferred_result(name, arguments)
+            host = self.capture.graph.host
+            host.append(Op(call, (), arguments, result, Kind.MUTATE))
             group = self.capture.groups.get(stream)
             if group is not None:
-                group.op_indices.append(len(self.capture.graph.ops) - 1)
-            return _deferred_result(op)
+                group.op_indices.append(host.num_ops - 1)
+            return result
         return implementation(arguments)
 
     # -- capture --------------------------------------------------------------------
@@ -241,15 +317,50 @@ class NpuRuntime(Launcher):
             "capture on the default stream; capture on "
             "a side stream (torch.npu.graph(..., stream=torch.npu.Stream()))",
         )
-        graph.ops, graph.groups, graph.captured = [], [], False
+        graph.host, graph.groups, graph.captured = HostGraph(), [], False
         graph.capture_stream = stream
         self.capture = _Capture(graph, stream)
+        self.join_recording()
+
+    def join_recording(self) -> bool:
+        """Record this host thread's ops into the capture under way; True if it joined
+        now (False: no capture, or the thread records already)."""
+        capture, thread = self.capture, threading.get_ident()
+        if capture is None or thread in capture.recorders:
+            return False
+        recorder = _Recorder(capture.graph.host)
+        self._push(recorder)
+        capture.recorders[thread] = recorder
+        return True
+
+    def leave_recording(self) -> None:
+        """This host thread stops recording into the capture it joined."""
+        capture = self.capture
+        recorder = None if capture is None else capture.recorders.pop(threading.get_ident(), None)
+        if recorder is not None:
+            self._pop(recorder)
+
+    def abort_capture(self, graph: StandInGraph) -> None:
+        """A failed capture leaves nothing behind (the recorder of this thread popped)."""
+        capture = self.capture
+        if capture is None or capture.graph is not graph:
+            return
+        recorder = capture.recorders.pop(threading.get_ident(), None)
+        if recorder is not None:
+            self._pop(recorder)
+        self.capture = None
+        graph.host, graph.groups, graph.captured = HostGraph(), [], False
 
     def end_capture(self, graph: StandInGraph) -> None:
         _expect(
             self.capture is not None and self.capture.graph is graph,
             "capture_end without a capture of this graph",
         )
+        capture = self.capture
+        recorder = capture.recorders.pop(threading.get_ident(), None)
+        if recorder is not None:
+            self._pop(recorder)
+        _expect(not capture.recorders, "capture ended while another host thread records into it")
         _expect(not self.capture.groups, "capture ended inside an open task group")
         unjoined = self.capture.unjoined()
         _expect(
@@ -259,8 +370,22 @@ class NpuRuntime(Launcher):
             "torch_npu's capture_end fails: 'capture model contains a stream that was not "
             "joined to the original stream')",
         )
-        graph.captured = True
+        self._check_stream_budget(graph)
+        graph.host.compile()  # every tensor of the graph stays at its captured address
+        graph.host.captured = graph.captured = True
+        self.graphs.add(graph)
+        self.stats["captures"] += 1
         self.capture = None
+
+    def _check_stream_budget(self, graph: StandInGraph) -> None:
+        held = sum(other.streams for other in self.graphs if other.captured and other is not graph)
+        _expect(
+            held + graph.streams <= self.stream_budget,
+            f"capture needs {graph.streams} streams (1 + {len(graph.groups)} task groups) and "
+            f"captured graphs hold {held}, over the device's budget of {self.stream_budget} "
+            f"(on the NPU: error {STREAM_ERROR}, out of stream resources); capture fewer "
+            "graphs (npu-graphs' max_graphs)",
+        )
 
     def group_begin(self, stream: StandInStream) -> None:
         capture = self.capture
@@ -283,7 +408,8 @@ class NpuRuntime(Launcher):
             "an ExternalEvent waited in capture must be reset before the "
             "task group (event.wait(s); event.reset(s))",
         )
-        capture.groups[stream] = TaskGroup(capture.graph, events=list(waited))
+        group = TaskGroup(capture.graph, start=capture.graph.host.num_ops, events=list(waited))
+        capture.groups[stream] = group
 
     def group_end(self, stream: StandInStream) -> TaskGroup:
         capture = self.capture
@@ -320,13 +446,15 @@ class NpuRuntime(Launcher):
             "graph_task_update_begin on a stream that is capturing",
         )
         for replay in self.held_replays():
-            if replay.graph is handle.graph and replay.next_op > handle.op_indices[0]:
+            if replay.graph is handle.graph and replay.next_op > handle.start:
                 raise SchemaViolation(
                     "task update of a task group its launched replay already ran: the "
                     "group's ExternalEvent was recorded before this update (record it after "
                     "graph_task_update_end)"
                 )
-        self.update = _Update(handle, stream)
+        guard = _UpdateGuard(self, handle, stream)
+        self._push(guard)
+        self.update = _Update(handle, stream, guard)
 
     def update_end(self, stream: StandInStream) -> None:
         update = self.update
@@ -335,18 +463,23 @@ class NpuRuntime(Launcher):
             stream is update.stream,
             f"graph_task_update_end on {stream.name}, the update began on {update.stream.name}",
         )
-        ops = update.group.graph.ops
-        captured = [ops[i].name for i in update.group.op_indices]
-        issued = [op.name for op in update.issued]
+        self.update = None
+        self._pop(update.guard)
+        host = update.group.graph.host
+        ops = host.ops
+        captured = [ops[i].func.name for i in update.group.op_indices]
+        issued = [call.name for call, _ in update.issued]
         _expect(
             captured == issued,
             f"a task update must re-issue the ops of its group: "
             f"captured {captured}, re-issued {issued}",
         )
-        for index, op in zip(update.group.op_indices, update.issued):
-            ops[index] = op
+        for index, (call, arguments) in zip(update.group.op_indices, update.issued):
+            _check_same_tensors(call.name, ops[index].kwargs, arguments)
+            ops[index] = Op(call, (), arguments, ops[index].outputs, Kind.MUTATE)
+            host.program.recompile(ops, index, index + 1)
         update.group.updated_on, update.group.released = stream, False
-        self.update = None
+        self.stats["task_updates"] += 1
 
     def record_external(self, event: StandInExternalEvent, stream: StandInStream) -> None:
         if self.capture is not None and stream in self.capture.clocks:
@@ -387,7 +520,8 @@ class NpuRuntime(Launcher):
                 "a task group was updated but its ExternalEvent was not "
                 "recorded on the update stream after graph_task_update_end",
             )
-        starts = {group.op_indices[0]: group for group in graph.groups if group.events}
+        starts = {group.start: group for group in graph.groups if group.events}
+        self.stats["replays"] += 1
         replays = self.queued.setdefault(self.current_stream, [])
         replays.append(Replay(graph, self.current_stream, group_starts=starts))
         self._resume(replays)
@@ -396,16 +530,18 @@ class NpuRuntime(Launcher):
         """Run the replays queued on one stream, in order, as far as their events allow."""
         while replays:
             replay = replays[0]
-            ops = replay.graph.ops
-            while replay.next_op < len(ops):
+            steps = replay.graph.host.program.steps
+            while replay.next_op < len(steps):
                 group = replay.group_starts.get(replay.next_op)
                 if group is not None:
                     if not all(event.recorded for event in group.events):
                         return  # held by the captured wait
                     for event in group.events:
                         event.recorded = False  # the captured reset
-                op = ops[replay.next_op]
-                op.implementation(op.arguments)
+                step = steps[replay.next_op]
+                if step is not None:  # None: a view fixed at capture
+                    step.run(_NO_SLOTS)
+                    self.stats["replayed_ops"] += 1
                 replay.next_op += 1
             for group in replay.graph.groups:
                 group.updated_on, group.released = None, False
@@ -414,15 +550,73 @@ class NpuRuntime(Launcher):
             replays.pop(0)
 
 
-def _deferred_result(op: _Op) -> Any:
+_NO_SLOTS: list = []  # a graph compiled with every tensor at its address reads no slot
+
+
+def _deferred_result(name: str, arguments: dict[str, Any]) -> Any:
     """What a captured (not yet run) op hands back: its out tensors, or nothing."""
-    if "out" in op.arguments:
-        return tuple(op.arguments["out"])
-    if op.name.endswith("lse_out"):  # ATB out forms name their outputs
-        return op.arguments["output"], op.arguments["lse"]
-    if op.name == "npu_scatter_pa_kv_cache":
+    if "out" in arguments:
+        return tuple(arguments["out"])
+    if name.endswith("lse_out"):  # ATB out forms name their outputs
+        return arguments["output"], arguments["lse"]
+    if name == "npu_scatter_pa_kv_cache":
         return None
-    raise NotModeled(f"torch_npu.{op.name} in a capture: only out-form and in-place ops")
+    raise NotModeled(f"torch_npu.{name} in a capture: only out-form and in-place ops")
+
+
+def _geometry(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
+
+
+def _check_same_tensors(name: str, captured: dict[str, Any], issued: dict[str, Any]) -> None:
+    """A task update hands each argument of ``torch_npu.<name>`` the tensors of its
+    capture: the captured task reads and writes those addresses, with those shapes."""
+    for argument in captured:
+        before = tensor_leaves(captured[argument])
+        now = tensor_leaves(issued.get(argument))
+        same = len(before) == len(now) and all(
+            _geometry(a) == _geometry(b) for a, b in zip(before, now)
+        )
+        _expect(
+            same,
+            f"task update of torch_npu.{name}: argument {argument!r} is "
+            f"{[_describe(t) for t in now]}, the capture had {[_describe(t) for t in before]}; "
+            "an update re-issues the op on the tensors of its capture (same address and "
+            "shape) and changes only host arguments",
+        )
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{tuple(tensor.shape)}@{tensor.data_ptr():#x}"
+
+
+class _UpdateGuard(TorchDispatchMode):
+    """Refuses device work other than the re-issued torch_npu ops inside a task update
+    on the updating host thread; views (metadata only) pass."""
+
+    def __init__(self, runtime: NpuRuntime, group: TaskGroup, stream: StandInStream) -> None:
+        super().__init__()
+        self.runtime, self.group, self.stream = runtime, group, stream
+        self.thread = threading.get_ident()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        update = self.runtime.update
+        if (
+            update is None
+            or update.guard is not self
+            or threading.get_ident() != self.thread
+            or func in _SHAPE_QUERIES
+            or (func.namespace in ("aten", "prim", "prims") and _kind_of(func) is Kind.VIEW)
+        ):
+            return func(*args, **kwargs)
+        self.runtime.update = None  # the update is abandoned; this guard passes from now
+        raise SchemaViolation(
+            f"{func} issued inside a task update (graph_task_update_begin .. end on stream "
+            f"{self.stream.name}): an update re-issues the group's torch_npu ops only; on the "
+            "NPU this work would run eagerly, outside the graph (make inputs ready before "
+            "the task, or keep them as the captured tensors)"
+        )
 
 
 class StandInStream:
@@ -476,6 +670,7 @@ class StandInStream:
 
     def synchronize(self, *args: Any, **kwargs: Any) -> None:
         self._check("synchronize", args, kwargs)
+        self._runtime.stats["synchronizes"] += 1
         _expect(self._runtime.capture is None, "Stream.synchronize during a capture")
         self._runtime.check_not_held("Stream.synchronize")
 
@@ -510,6 +705,7 @@ class StandInEvent:
 
     def synchronize(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("Event", "synchronize", args, kwargs)
+        self._runtime.stats["event_synchronizes"] += 1
         _expect(self._runtime.capture is None, "Event.synchronize during a capture")
         if self.after is not None and not self.after.done:
             self._runtime.check_not_held("Event.synchronize")
@@ -554,7 +750,7 @@ class StandInGraph:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("NPUGraph", "__call__", args, kwargs)
-        self.ops: list[_Op] = []
+        self.host = HostGraph()  # the recording: aten ops and whole torch_npu ops
         self.groups: list[TaskGroup] = []
         self.captured = False
         self.capture_stream: StandInStream | None = None
@@ -567,7 +763,16 @@ class StandInGraph:
 
     def capture_end(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("NPUGraph", "capture_end", args, kwargs)
-        self._runtime.end_capture(self)
+        try:
+            self._runtime.end_capture(self)
+        except BaseException:
+            self._runtime.abort_capture(self)
+            raise
+
+    @property
+    def streams(self) -> int:
+        """Streams this graph holds on the device: its own, and one per task group."""
+        return 1 + len(self.groups)
 
     def replay(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("NPUGraph", "replay", args, kwargs)
@@ -575,7 +780,7 @@ class StandInGraph:
 
     def reset(self, *args: Any, **kwargs: Any) -> None:
         self._runtime.check_method("NPUGraph", "reset", args, kwargs)
-        self.ops, self.groups, self.captured = [], [], False
+        self.host, self.groups, self.captured = HostGraph(), [], False
 
     def pool(self, *args: Any, **kwargs: Any) -> object:
         self._runtime.check_method("NPUGraph", "pool", args, kwargs)
@@ -591,6 +796,7 @@ class StandInNpuNamespace(types.ModuleType):
 
     def __init__(self, runtime: NpuRuntime) -> None:
         super().__init__("torch.npu")
+        self.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None)
         self.runtime = runtime
         for name, cls in runtime.classes.items():
             setattr(self, name, cls)
@@ -599,8 +805,8 @@ class StandInNpuNamespace(types.ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         if name in self.runtime.api.exported:
-            raise NotModeled(f"torch.npu.{name}")
-        raise SchemaViolation(f"torch.npu has no attribute {name!r} in torch_npu's Python API")
+            raise NotModeledAttribute(f"torch.npu.{name}")
+        raise UnknownAttribute(f"torch.npu has no attribute {name!r} in torch_npu's Python API")
 
     # -- functions --------------------------------------------------------------------
     def current_stream(self, *args: Any, **kwargs: Any) -> StandInStream:
@@ -630,6 +836,7 @@ class StandInNpuNamespace(types.ModuleType):
 
     def synchronize(self, *args: Any, **kwargs: Any) -> None:
         self.runtime.check_function("synchronize", args, kwargs)
+        self.runtime.stats["synchronizes"] += 1
         _expect(self.runtime.capture is None, "torch.npu.synchronize during a capture")
         self.runtime.check_not_held("torch.npu.synchronize")
 
@@ -737,10 +944,12 @@ def _graph_context_class(runtime: NpuRuntime) -> type:
             try:
                 if exc_type is None:
                     runtime.end_capture(graph)
+            except BaseException:
+                runtime.abort_capture(graph)  # a failed capture leaves nothing behind
+                raise
             finally:
                 runtime.current_stream = self._previous
-                if runtime.capture is not None and runtime.capture.graph is graph:
-                    runtime.capture = None  # a failed capture leaves nothing behind
+                runtime.abort_capture(graph)  # on an exception inside the block
 
     graph.__init__.__signature__ = _with_self(runtime.api.method("graph", "__call__"))
     return graph
@@ -752,12 +961,15 @@ def _device_context_class(runtime: NpuRuntime) -> type:
     class device:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             runtime.check_method("device", "__call__", args, kwargs)
+            self._joined = False
 
         def __enter__(self) -> None:
-            return None
+            # A host thread joining a capture (npu-graphs' join_capture) records into it.
+            self._joined = runtime.join_recording()
 
         def __exit__(self, *args: Any) -> None:
-            return None
+            if self._joined:
+                runtime.leave_recording()
 
     return device
 

@@ -42,9 +42,11 @@ Any other operator, or a documented mode the reference does not model, raises
 
 from __future__ import annotations
 
+import importlib.machinery
 import itertools
 import math
 import types
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +79,14 @@ class NotModeled(Exception):
     """A call torch_npu accepts but the stand-in's reference does not implement."""
 
 
+class NotModeledAttribute(NotModeled, AttributeError):
+    """A name torch_npu has that the stand-in does not model (``hasattr`` is False)."""
+
+
+class UnknownAttribute(SchemaViolation, AttributeError):
+    """A name torch_npu does not have (``hasattr`` is False)."""
+
+
 @dataclass
 class Call:
     """One recorded call: which API, with every argument by name."""
@@ -87,7 +97,17 @@ class Call:
 
 @dataclass
 class CallLog:
+    """Every call, by name and arguments (``keep=False``: counted by name only, so that
+    a long engine run holds no tensors through its log)."""
+
     calls: list[Call] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+    keep: bool = True
+
+    def record(self, call: Call) -> None:
+        self.counts[call.name] += 1
+        if self.keep:
+            self.calls.append(call)
 
     def names(self) -> set[str]:
         """Names of the calls; an ATB overload ``atb.f.lse_out`` also counts as ``atb.f``."""
@@ -123,7 +143,7 @@ class CheckedOp:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         arguments = self.schema.bind(args, kwargs)
-        self._module.log.calls.append(Call(self.schema.name, arguments))
+        self._module.log.record(Call(self.schema.name, arguments))
         if self._implementation is None:
             raise NotModeled(f"the stand-in does not compute torch_npu.{self.schema.name}")
         return self._module.launcher.launch(self.schema.name, self._implementation, arguments)
@@ -134,6 +154,8 @@ class StandInTorchNpu(types.ModuleType):
 
     def __init__(self, api: TorchNpuApi, log: CallLog) -> None:
         super().__init__("torch_npu")
+        # A module spec, as an imported module has (importlib.util.find_spec reads it).
+        self.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
         self.__version__ = api.version
         self.log = log
         self.launcher = Launcher()
@@ -151,7 +173,7 @@ class StandInTorchNpu(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        raise SchemaViolation(f"torch_npu {self.__version__} has no operator {name!r}")
+        raise UnknownAttribute(f"torch_npu {self.__version__} has no operator {name!r}")
 
 
 class AtbOp:
@@ -169,7 +191,7 @@ class AtbOp:
             except SchemaViolation as error:
                 errors.append(str(error))
                 continue
-            self._module.log.calls.append(Call(overload.name, arguments))
+            self._module.log.record(Call(overload.name, arguments))
             implementation = IMPLEMENTATIONS.get(overload.name)
             if implementation is None:
                 raise NotModeled(f"the stand-in does not compute torch_npu.{overload.name}")
@@ -192,7 +214,7 @@ class StandInAtb(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        raise SchemaViolation(f"torch_npu {self._version} has no ATB operator atb.{name}")
+        raise UnknownAttribute(f"torch_npu {self._version} has no ATB operator atb.{name}")
 
 
 # ---------------------------------------------------------------- fused infer attention

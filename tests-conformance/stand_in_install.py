@@ -14,26 +14,32 @@ from torch_npu_schemas import TorchNpuApi
 _MISSING = object()
 
 
-@contextlib.contextmanager
-def installed_stand_in(api: TorchNpuApi) -> Iterator[StandInTorchNpu]:
-    """Stand-in ``torch_npu`` (in ``sys.modules``) and ``torch.npu``; restored on exit.
+def install_stand_in(api: TorchNpuApi, log: CallLog) -> StandInTorchNpu:
+    """Put a stand-in ``torch_npu`` in ``sys.modules`` and its ``torch.npu`` on torch.
 
-    ``module.npu`` is the ``torch.npu`` namespace; ops and runtime share one call log.
+    ``module.npu`` is the ``torch.npu`` namespace; ops and runtime share ``log``.
     """
-    log = CallLog()
     module = StandInTorchNpu(api, log)
     runtime = NpuRuntime(api.python, log)
     module.launcher = runtime
     module.npu = StandInNpuNamespace(runtime)
+    sys.modules["torch_npu"], sys.modules["torch_npu.npu"] = module, module.npu
+    torch.npu = module.npu
+    return module
+
+
+@contextlib.contextmanager
+def installed_stand_in(api: TorchNpuApi) -> Iterator[StandInTorchNpu]:
+    """Stand-in ``torch_npu`` (in ``sys.modules``) and ``torch.npu``; restored on exit."""
     saved_modules = {
         name: sys.modules.get(name, _MISSING) for name in ("torch_npu", "torch_npu.npu")
     }
     saved_npu = getattr(torch, "npu", _MISSING)
-    sys.modules["torch_npu"], sys.modules["torch_npu.npu"] = module, module.npu
-    torch.npu = module.npu
+    module = install_stand_in(api, CallLog())
     try:
         yield module
     finally:
+        module.npu.runtime.close()
         for name, saved in saved_modules.items():
             if saved is _MISSING:
                 sys.modules.pop(name, None)

@@ -239,11 +239,17 @@ def test_faulty_lse_provider_is_caught(stand_in, provider: str, violation) -> No
 # ---------------------------------------------------------------- graph task update
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=SchemaViolation,
+    reason="the ascend MLA provider masks KV-length-0 rows (aten.gt, where) after its ATB "
+    "call inside the attention task: an update re-issues that work, which the NPU would run "
+    "eagerly outside the graph; the simulator refuses it",
+)
 def test_task_update_reissues_the_atb_call_with_new_lengths(stand_in, host_ascend_mla) -> None:
     """The ATB call as a captured task: a task update re-issues it with the next step's
-    per-request KV lengths into the same fixed buffers. The stand-in replays torch_npu
-    ops only, so this reads the op's own ``output`` / ``lse`` buffers; the copies and
-    masking after it are device ops that an NPU graph captures, not modeled here."""
+    per-request KV lengths into the same fixed buffers. This reads the op's own
+    ``output`` / ``lse`` buffers (the copies and masking after it replay too)."""
     npu = stand_in.npu
     batch = DcpBatch(mla_spec(32, 16, torch.bfloat16), *BATCHES["chunked_prefill"])
     cache = batch.rank_cache(2, 0, 1)
@@ -290,10 +296,10 @@ def test_task_update_reissues_the_atb_call_with_new_lengths(stand_in, host_ascen
     graph.replay()  # no update: the captured lengths are stale for the next step
     with pytest.raises(AssertionError):
         check(lengths.tolist())
-    update_stream = npu.Stream()
+    update_stream, step2 = npu.Stream(), plan_of(lengths, host_ascend_mla)
     with npu.stream(update_stream):
         npu.graph_task_update_begin(update_stream, handle)
-        decode(plan_of(lengths, host_ascend_mla))
+        decode(step2)
         npu.graph_task_update_end(update_stream)
         event.record(update_stream)
     graph.replay()

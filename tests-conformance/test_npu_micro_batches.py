@@ -200,18 +200,18 @@ def test_the_stand_in_captures_only_streams_joined_to_the_capture(stand_in):
 
     npu, steps = stand_in.npu, Steps()
     side, joined = npu.Stream(), npu.Stream()
-    graph = npu.NPUGraph()
+    graph, step_plan = npu.NPUGraph(), steps.plan(1)
     with (
         pytest.raises(SchemaViolation, match="has not joined the capture"),
         npu.graph(graph, stream=npu.Stream()),
         npu.stream(side),
     ):
-        steps.attend(steps.plan(1))
+        steps.attend(step_plan)
     graph, capture_stream = npu.NPUGraph(), npu.Stream()
     with npu.graph(graph, stream=capture_stream):
         joined.wait_stream(capture_stream)
         with npu.stream(joined):
-            steps.attend(steps.plan(1))
+            steps.attend(step_plan)
         capture_stream.wait_stream(joined)
     steps.out.zero_()
     graph.replay()

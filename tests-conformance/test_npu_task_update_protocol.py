@@ -21,21 +21,23 @@ from torch_npu_schemas import SchemaViolation
 
 def _capture(npu, steps: Steps, *, with_event: bool = True):
     graph, capture_stream, event = npu.NPUGraph(), npu.Stream(), npu.ExternalEvent()
+    step_plan = steps.plan(1)  # host work, before the capture (as an engine plans)
     with npu.graph(graph, stream=capture_stream):
         stream = npu.current_stream()
         if with_event:
             event.wait(stream)
             event.reset(stream)
         npu.graph_task_group_begin(stream)
-        steps.attend(steps.plan(1))
+        steps.attend(step_plan)
         handle = npu.graph_task_group_end(stream)
     return graph, handle, event
 
 
 def _update(npu, steps: Steps, handle, event, step: int, update_stream) -> None:
+    step_plan = steps.plan(step)  # host work, before the update
     with npu.stream(update_stream):
         npu.graph_task_update_begin(update_stream, handle)
-        steps.attend(steps.plan(step))
+        steps.attend(step_plan)
         npu.graph_task_update_end(update_stream)
         if event is not None:
             event.record(update_stream)
@@ -95,12 +97,13 @@ def test_update_of_a_group_its_held_replay_already_ran_is_caught(stand_in) -> No
     npu, steps = stand_in.npu, Steps()
     graph, stream = npu.NPUGraph(), npu.Stream()
     events, handles = [npu.ExternalEvent(), npu.ExternalEvent()], []
+    step_plan = steps.plan(1)
     with npu.graph(graph, stream=stream):
         for event in events:  # two task groups (two layers, say)
             event.wait(stream)
             event.reset(stream)
             npu.graph_task_group_begin(stream)
-            steps.attend(steps.plan(1))
+            steps.attend(step_plan)
             handles.append(npu.graph_task_group_end(stream))
     graph.replay()
     events[0].record(npu.Stream())  # the first group runs, the replay waits at the second
@@ -145,23 +148,21 @@ def test_update_without_an_external_event_is_caught(stand_in) -> None:
 def test_update_with_other_ops_is_caught(stand_in) -> None:
     npu, steps = stand_in.npu, Steps()
     _graph, handle, _event = _capture(npu, steps)
-    update_stream = npu.Stream()
+    update_stream, step = npu.Stream(), steps.plan(2)
+    rows = steps.query[:, :2].contiguous()
     with npu.stream(update_stream), pytest.raises(SchemaViolation, match="re-issue the ops"):
         npu.graph_task_update_begin(update_stream, handle)
-        step = steps.plan(2)
-        step.provider.write_kv(
-            steps.query[:, :2], steps.query[:, :2], steps.key_cache, steps.value_cache, step
-        )
+        step.provider.write_kv(rows, rows, steps.key_cache, steps.value_cache, step)
         npu.graph_task_update_end(update_stream)
 
 
 def test_update_issued_off_the_update_stream_is_caught(stand_in) -> None:
     npu, steps = stand_in.npu, Steps()
     _graph, handle, _event = _capture(npu, steps)
-    update_stream = npu.Stream()
+    update_stream, step = npu.Stream(), steps.plan(2)
     npu.graph_task_update_begin(update_stream, handle)
     with pytest.raises(SchemaViolation, match="not the update stream"):
-        steps.attend(steps.plan(2))
+        steps.attend(step)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,191 @@
+"""The simulated Ascend NPU inside a vLLM engine in host mode (test-only).
+
+:func:`install_simulated_npu` puts the stand-in ``torch_npu`` / ``torch.npu``
+(``schema_stand_in``, ``npu_runtime_stand_in``) in place and switches the host platform
+to the NPU platform's bridge settings (:data:`NPU_SETTINGS`: the ``ascend`` providers,
+``planes`` KV pages, the ``npu`` graph backend, every graph captured at start-up with
+the longest context). vLLM then runs the NPU path (providers, graph capture, task
+updates, replays) on CPU tensors, each torch_npu call checked against the wheel's
+schemas and the graph protocol enforced.
+
+Worker processes vLLM spawns (data or context parallel ranks) get the same: with
+:func:`simulation_environment` in a process's environment, ``npu_sim_site``'s
+``sitecustomize`` installs the simulation as the bridge's host platform module is
+imported. Nothing in the packages imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.abc
+import importlib.util
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SITE_DIR = HERE / "npu_sim_site"  # holds the sitecustomize of simulated processes
+SIM_ENV = "NPU_SIM"  # "1": each process of the run simulates the NPU
+WHEEL_DIR_ENV = "TORCH_NPU_WHEEL_DIR"
+DEFAULT_WHEEL_DIR = HERE.parent / ".pytest_cache" / "d" / "torch-npu-wheel"  # pytest's cache
+HOST_PLATFORM_MODULE = "npu_vllm_bridge.platforms.host"
+
+
+@functools.cache
+def npu_settings() -> Any:
+    """The NPU platform's bridge settings, as the simulated host platform takes them."""
+    from npu_vllm_bridge.settings import BridgeSettings
+
+    return BridgeSettings(
+        attention_provider="ascend",
+        kv_cache_split="planes",
+        graph_backend="npu",
+        capture_longest_context=True,
+        capture_on_first_use=False,
+    )
+
+
+@dataclasses.dataclass
+class Simulation:
+    """The stand-in ``torch_npu`` module of this process and its runtime."""
+
+    module: Any
+    step_syncs: Counter = dataclasses.field(default_factory=Counter)
+
+    @property
+    def runtime(self) -> Any:
+        return self.module.npu.runtime
+
+    def report(self) -> dict[str, Any]:
+        """Counters of this process: graphs, replays, task updates, synchronizes inside
+        replayed steps, torch_npu calls by op name (and torch.npu calls by name)."""
+        stats, counts = self.runtime.stats, self.module.log.counts
+        return {
+            "graphs_captured": stats["captures"],
+            "replays": stats["replays"],
+            "task_updates": stats["task_updates"],
+            "synchronizes": self.step_syncs["in_replayed_steps"],
+            "synchronizes_total": stats["synchronizes"],
+            "event_synchronizes": stats["event_synchronizes"],
+            "replayed_ops": stats["replayed_ops"],
+            "streams_held": sum(g.streams for g in self.runtime.graphs if g.captured),
+            "torch_npu_calls": dict(
+                sorted((k, v) for k, v in counts.items() if not k.startswith("torch.npu."))
+            ),
+            "torch_npu_runtime_calls": dict(
+                sorted((k, v) for k, v in counts.items() if k.startswith("torch.npu."))
+            ),
+        }
+
+
+_SIMULATION: Simulation | None = None
+
+
+def wheel_dir() -> Path:
+    """Where the torch-npu wheel is kept: ``$TORCH_NPU_WHEEL_DIR``, else pytest's cache
+    folder the conformance tests use."""
+    configured = os.environ.get(WHEEL_DIR_ENV)
+    return Path(configured) if configured else DEFAULT_WHEEL_DIR
+
+
+def install_simulated_npu() -> Simulation:
+    """Install the simulation in this process (once); returns it."""
+    global _SIMULATION
+    if _SIMULATION is not None:
+        return _SIMULATION
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from schema_stand_in import CallLog
+    from stand_in_install import install_stand_in
+    from torch_npu_schemas import download_wheel, read_wheel
+
+    from npu_attention import register_provider
+    from npu_vllm_bridge.platforms.host import HostPlatform
+
+    folder = wheel_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    api = read_wheel(download_wheel(folder))
+    module = install_stand_in(api, CallLog(keep=False))  # counts only: no tensors held
+    # The ascend providers as they are, but taking the CPU tensors of the simulation.
+    register_provider("ascend", "ascend_cases:HostAscendProvider")
+    register_provider("ascend", "ascend_mla_cases:HostAscendMLAProvider", family="mla")
+    HostPlatform.bridge_settings = npu_settings()
+    _SIMULATION = Simulation(module)
+    _count_step_synchronizes(_SIMULATION)
+    return _SIMULATION
+
+
+def _count_step_synchronizes(simulation: Simulation) -> None:
+    """Count the synchronizes issued in steps that replay a graph: those of a worker's
+    ``execute_model`` that launched a replay, and of the ``sample_tokens`` after it."""
+    from npu_vllm_bridge.worker.host import HostWorker
+
+    stats, syncs = simulation.runtime.stats, simulation.step_syncs
+    execute_model, sample_tokens = HostWorker.execute_model, HostWorker.sample_tokens
+
+    def counted_execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        replays, before = stats["replays"], stats["synchronizes"]
+        try:
+            return execute_model(self, *args, **kwargs)
+        finally:
+            syncs["replayed"] = stats["replays"] > replays
+            if syncs["replayed"]:
+                syncs["in_replayed_steps"] += stats["synchronizes"] - before
+
+    def counted_sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        before = stats["synchronizes"]
+        try:
+            return sample_tokens(self, *args, **kwargs)
+        finally:
+            if syncs["replayed"]:
+                syncs["in_replayed_steps"] += stats["synchronizes"] - before
+
+    HostWorker.execute_model = counted_execute_model
+    HostWorker.sample_tokens = counted_sample_tokens
+
+
+def simulation_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) with what makes a Python process simulate
+    the NPU: host mode, ``NPU_SIM=1`` and ``npu_sim_site`` on ``PYTHONPATH``."""
+    env = dict(os.environ if environ is None else environ)
+    paths = [str(SITE_DIR), str(HERE), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env.update(
+        {
+            SIM_ENV: "1",
+            "NPU_BRIDGE_DEVICE": "cpu",
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+            WHEEL_DIR_ENV: str(wheel_dir()),
+        }
+    )
+    return env
+
+
+class _InstallAfterHostPlatform(importlib.abc.MetaPathFinder):
+    """Installs the simulation once the bridge's host platform module has loaded."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != HOST_PLATFORM_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_install(module: Any) -> None:
+            exec_module(module)
+            install_simulated_npu()
+
+        spec.loader.exec_module = exec_and_install
+        return spec
+
+
+def install_on_host_platform_import() -> None:
+    """Install the simulation in this process when vLLM loads the host platform."""
+    if HOST_PLATFORM_MODULE in sys.modules:
+        install_simulated_npu()
+    elif not any(isinstance(f, _InstallAfterHostPlatform) for f in sys.meta_path):
+        sys.meta_path.insert(0, _InstallAfterHostPlatform())
