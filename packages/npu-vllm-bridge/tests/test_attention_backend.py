@@ -279,7 +279,10 @@ def test_backend_class_declarations():
     assert backend.supports_head_size(32) and backend.supports_head_size(112)
     assert not backend.supports_head_size(48)
     assert backend.supports_dtype(torch.float32) and backend.supports_dtype(torch.bfloat16)
-    assert not backend.supports_kv_cache_dtype("fp8")
+    for kind in ("auto", "fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"):
+        assert backend.supports_kv_cache_dtype(kind), kind
+    assert not backend.supports_kv_cache_dtype("fp8_e5m2")
+    assert not backend.supports_kv_cache_dtype("int4_per_token_head")
     assert backend.supports_block_size(128) and not backend.supports_block_size(8)
     assert backend.supports_attn_type("decoder") and not backend.supports_attn_type("encoder_only")
     assert [layout.name for layout in backend.supported_kv_cache_layouts()] == ["LBNHC"]

@@ -46,7 +46,7 @@ def test_selector_accepts_a_supported_layer_and_registers_custom():
             r"head_size=48.*head_size not supported by the 'reference' attention provider "
             r"\(its head sizes: \[32, 64, 80, 96, 112, 128, 160, 192, 224, 256\]\)",
         ),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype=fp8.*kv_cache_dtype not supported"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype=fp8_e5m2.*kv_cache_dtype not supported"),
         ({"has_sink": True}, "attention sinks not supported"),
         ({"attn_type": "encoder_only"}, "attention type encoder_only not supported"),
         ({"block_size": 8}, "block_size=8.*block_size not supported"),
@@ -65,7 +65,12 @@ IMPL_ARGS = dict(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
     ("overrides", "message"),
     [
         ({"alibi_slopes": [0.5] * 4}, "ALiBi"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
+        (
+            {"kv_cache_dtype": "fp8_e5m2"},
+            r"does not support kv_cache_dtype='fp8_e5m2' for attention layers with the "
+            r"'reference' attention provider; it takes kv_cache_dtype in \['auto', 'fp8', "
+            r"'fp8_e4m3', 'int8_per_token_head', 'fp8_per_token_head'\]",
+        ),
         ({"attn_type": "encoder_only"}, "decoder self-attention only.*encoder_only"),
         ({"sinks": torch.zeros(4)}, "attention sinks"),
         ({"use_alibi_sqrt": True}, r"attention options \['use_alibi_sqrt'\]"),
@@ -120,9 +125,31 @@ def test_head_sizes_come_from_the_platforms_provider(tmp_path, monkeypatch):
         checks.check_model_and_options(config)
 
 
-def test_fp8_kv_cache_is_refused(tmp_path):
-    config = _vllm_config(write_config(tmp_path, head_dim=64), cache_dtype="fp8")
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*fp8 KV cache"):
+@pytest.mark.parametrize("kind", ["fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"])
+def test_8bit_kv_caches_pass_the_checks(tmp_path, kind):
+    checks.check_model_and_options(
+        _vllm_config(write_config(tmp_path, head_dim=64), cache_dtype=kind)
+    )
+
+
+def test_kv_cache_kind_the_provider_lacks_is_refused_naming_what_it_takes(tmp_path, monkeypatch):
+    config = _vllm_config(write_config(tmp_path, head_dim=64), cache_dtype="fp8_e5m2")
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_dtype='fp8_e5m2' for attention layers with the 'reference' attention "
+        r"provider; it takes kv_cache_dtype in \['auto', 'fp8', 'fp8_e4m3', "
+        r"'int8_per_token_head', 'fp8_per_token_head'\]",
+    ):
+        checks.check_model_and_options(config)
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(
+        type(current_platform), "bridge_settings", BridgeSettings("ascend"), raising=False
+    )
+    config = _vllm_config(write_config(tmp_path, head_dim=128), cache_dtype="fp8")
+    with pytest.raises(
+        ValueError, match=r"'ascend' attention provider; it takes kv_cache_dtype in \['auto'\]"
+    ):
         checks.check_model_and_options(config)
 
 

@@ -24,6 +24,7 @@ from npu_attention.registry import (
     register_provider,
     returns_lse,
     supported_head_sizes,
+    supported_kv_cache_dtypes,
 )
 from npu_attention.run import run
 from npu_attention.spec import (
@@ -58,4 +59,5 @@ __all__ = [
     "returns_lse",
     "run",
     "supported_head_sizes",
+    "supported_kv_cache_dtypes",
 ]

@@ -39,7 +39,7 @@ from npu_attention import _inputs
 from npu_attention._inputs import HostArrays
 from npu_attention.buffers import PlanBuffers
 from npu_attention.mla.spec import MLASpec
-from npu_attention.plan import AttentionPlan, build_plan
+from npu_attention.plan import AttentionPlan, SlotHandling, build_plan
 from npu_attention.spec import AttentionSpec
 
 # ------------------------------------------------------------------ DCP sharding
@@ -146,6 +146,8 @@ def plan_context(
     buffers: PlanBuffers | None = None,
     num_blocks: int | None = None,
     slot_mapping: Any = None,
+    slot_handling: str = "host",
+    null_block: int | None = None,
 ) -> AttentionPlan:
     """A plan in which each request's query rows attend to its first ``context_lens[i]``
     cached keys only (none of the step's own), all of them visible to every row.
@@ -161,6 +163,8 @@ def plan_context(
     attention does not see them. The plan's ``seq_lens`` (and, on Ascend,
     ``actual_seq_lengths_kv``) are ``context_lens``; in fixed-buffer mode they are the
     step argument a graph replay reads.
+
+    ``slot_handling`` and ``null_block`` are ``plan``'s.
 
     ``spec`` is the layer's spec; its causal mask does not apply (every context
     key precedes every query). A sliding window needs global positions that a
@@ -192,6 +196,7 @@ def plan_context(
         provider,
         buffers,
         num_blocks,
+        slot_handling=SlotHandling(slot_handling, null_block, num_blocks),
     )
 
 

@@ -4,7 +4,7 @@ CONTRACT (shared by every provider and by npu-vllm-bridge):
 
 ``plan(cu_seqlens_q, seq_lens, block_tables, slot_mapping, num_decodes, spec, *,
        device=None, provider=None, buffers=None, num_blocks=None,
-       device_lengths=None) -> AttentionPlan``
+       device_lengths=None, slot_handling="host", null_block=None) -> AttentionPlan``
 
 - ``cu_seqlens_q``: host ``[num_reqs + 1]`` int (torch CPU tensor, numpy array or
   list), ``cu_seqlens_q[0] == 0``, non-decreasing; request ``i`` owns query tokens
@@ -22,6 +22,17 @@ CONTRACT (shared by every provider and by npu-vllm-bridge):
 - ``buffers``: ``PlanBuffers`` for fixed-buffer mode (device tensors become
   views of caller-owned buffers at fixed addresses; overflow -> ``ValueError``).
 - ``num_blocks``: when given, block ids are range-checked (host tables only).
+- ``slot_handling``: how providers that cannot skip a ``-1`` slot inside their KV write
+  (``ascend``) treat padding slots. ``"host"`` (default): the slots are read on the host
+  (a device ``slot_mapping`` is copied back, which waits for the device) and ``-1`` rows
+  are not written, so the write's row count changes with the step: eager steps only.
+  ``"device"``: the values are never read on the host; ``-1`` slots are redirected, in
+  place in the plan's ``slot_mapping`` (a view of the caller's device tensor when it has
+  the plan's device and int64), to rows of block ``null_block``, which holds no request's
+  keys, and every token of the step is written: the write keeps its shape and tensors
+  from step to step, as a graph task re-issued with new host arguments needs.
+- ``null_block``: the block padding rows go to under ``slot_handling="device"`` (vLLM
+  keeps block 0 as its null block); required there.
 - ``device_lengths``: ``(cu_seqlens_q, seq_lens)`` already on ``device`` (int32,
   stride 1, at least ``[num_reqs + 1]`` and ``[num_reqs]``) holding the host values,
   as a model runner keeps them (vLLM's ``query_start_loc`` and ``seq_lens``): the
@@ -76,6 +87,9 @@ class AttentionPlan:
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_slots], -1 = padding
     provider_data: Any = field(default=None, repr=False)
+    # how padding slots (-1) reach a KV write that cannot skip them (see the module doc)
+    slot_handling: str = "host"
+    null_block: int | None = None
     # additions to the contract (all derived from the fields above)
     context_lens_host: list[int] = field(default_factory=list)  # [num_reqs]
     max_context_len: int = 0
@@ -126,6 +140,8 @@ def plan(
     buffers: PlanBuffers | None = None,
     num_blocks: int | None = None,
     device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_handling: str = "host",
+    null_block: int | None = None,
 ) -> AttentionPlan:
     """Turn one step's batch description into an ``AttentionPlan`` (see the module doc).
 
@@ -139,15 +155,16 @@ def plan(
             block table, out-of-range block ids or slots, a device that is not
             available, an unknown provider or one that does not run on ``device``
             or does not take ``spec`` (e.g. its head size),
-            a batch larger than ``buffers``, or ``device_lengths`` of another device,
-            dtype or size (or given with ``buffers``).
+            a batch larger than ``buffers``, ``device_lengths`` of another device,
+            dtype or size (or given with ``buffers``), or a ``slot_handling`` other than
+            ``"host"`` / ``"device"`` (``"device"`` without a ``null_block``).
     """
     if not isinstance(spec, StepSpec):
         raise TypeError(f"spec must be an AttentionSpec or an MLASpec, got {type(spec).__name__}")
     host = _inputs.host_arrays(cu_seqlens_q, seq_lens)
     return build_plan(
         host, block_tables, slot_mapping, num_decodes, spec, device, provider, buffers,
-        num_blocks, device_lengths,
+        num_blocks, device_lengths, SlotHandling(slot_handling, null_block, num_blocks),
     )  # fmt: skip
 
 
@@ -162,6 +179,7 @@ def build_plan(
     buffers: PlanBuffers | None,
     num_blocks: int | None,
     device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
+    slot_handling: SlotHandling | None = None,
 ) -> AttentionPlan:
     """``plan`` from checked host arrays (``npu_attention.context_parallel`` builds
     plans whose ``seq_lens`` count only cached keys through here)."""
@@ -206,8 +224,45 @@ def build_plan(
         buffers=buffers,
         device_context_lens=ctx_t,
     )
+    if slot_handling is not None:
+        result.slot_handling, result.null_block = slot_handling.mode, slot_handling.null_block
     result.provider_data = chosen.prepare(result)
     return result
+
+
+SLOT_HANDLINGS = ("host", "device")
+
+
+@dataclass(frozen=True)
+class SlotHandling:
+    """A checked ``(slot_handling, null_block)`` pair of ``plan`` (see the module doc).
+
+    Raises:
+        ValueError: an unknown mode, ``"device"`` without a ``null_block``, or a
+            ``null_block`` that is negative or past ``num_blocks``.
+    """
+
+    mode: str = "host"
+    null_block: int | None = None
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in SLOT_HANDLINGS:
+            raise ValueError(f"slot_handling must be one of {SLOT_HANDLINGS}, got {self.mode!r}")
+        block = self.null_block
+        if block is None:
+            if self.mode == "device":
+                raise ValueError(
+                    'slot_handling="device" redirects padding slots to a null block: pass '
+                    "null_block (the id of a block no request uses), got null_block=None"
+                )
+            return
+        if isinstance(block, bool) or not isinstance(block, int):
+            raise TypeError(f"null_block must be an int, got {type(block).__name__}")
+        if block < 0 or (self.num_blocks is not None and block >= self.num_blocks):
+            raise ValueError(
+                f"null_block must be in [0, num_blocks={self.num_blocks}), got {block}"
+            )
 
 
 def classify(query_lens: np.ndarray, context_lens: np.ndarray, num_decodes: int) -> BatchState:

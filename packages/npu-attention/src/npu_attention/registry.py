@@ -100,6 +100,16 @@ def returns_lse(name: str, family: str = "attention") -> bool:
     return bool(_provider_class(name, family).returns_lse)
 
 
+def supported_kv_cache_dtypes(name: str, family: str = "attention") -> tuple[str, ...]:
+    """The ``kv_cache_dtype`` values (``npu_attention.kv_quant``) the provider called
+    ``name`` reads and writes; like ``supported_head_sizes``, needs only its class.
+
+    Raises:
+        ValueError: unknown name or family.
+    """
+    return tuple(getattr(_provider_class(name, family), "kv_cache_dtypes", ("auto",)))
+
+
 def get_provider(
     name: str | None = None,
     device: torch.device | str | None = None,

@@ -71,11 +71,17 @@ def current_provider(family: str = "attention") -> str:
     return current_settings().provider_name(current_platform.device_type, family)
 
 
-def refuse_kv_cache_dtype(kv_cache_dtype: str | None) -> None:
-    """Raise ``ValueError`` unless ``kv_cache_dtype`` is ``auto`` (the model dtype)."""
-    if kv_cache_dtype not in (None, "auto"):
+def refuse_kv_cache_dtype(kv_cache_dtype: str | None, family: str = "attention") -> None:
+    """Raise ``ValueError`` unless the current platform's npu-attention provider of
+    ``family`` (``attention`` or ``mla``) takes ``kv_cache_dtype`` (``None``: ``auto``),
+    naming the kinds it takes."""
+    if kv_cache_dtype in (None, "auto"):
+        return
+    provider = current_provider(family)
+    accepted = npu_attention.supported_kv_cache_dtypes(provider, family)
+    if kv_cache_dtype not in accepted:
+        layers = "MLA layers" if family == "mla" else "attention layers"
         raise ValueError(
-            f"{PREFIX} keeps the KV cache in the model dtype; kv_cache_dtype="
-            f"{kv_cache_dtype!r} is not supported (an fp8 KV cache, say): leave "
-            "kv_cache_dtype='auto'"
+            f"{PREFIX} does not support kv_cache_dtype={kv_cache_dtype!r} for {layers} with "
+            f"the {provider!r} attention provider; it takes kv_cache_dtype in {list(accepted)}"
         )

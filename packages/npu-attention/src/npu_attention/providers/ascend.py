@@ -11,10 +11,12 @@ Operators, one per job:
   slot_mapping, cache_mode="Norm")`` on ND caches ``[num_blocks, block_size,
   kv_heads, head_size]``. The op documents slots in ``[0, num_blocks * block_size)``
   only, so padding slots (``-1``) never reach it: graph padding beyond
-  ``plan.num_actual_tokens`` is cut off, and when ``slot_mapping`` is a host
-  tensor, ``prepare`` also drops ``-1`` slots among the real tokens (an index
-  gather of the step's K/V). On the device that would need a host sync, so there
-  every real token must have a slot (as vLLM's decoder steps do).
+  ``plan.num_actual_tokens`` is cut off, and ``-1`` slots among the step's tokens are
+  treated as the plan's ``slot_handling`` says. ``"host"``: ``prepare`` reads the slots
+  on the host and drops the ``-1`` ones (an index gather of the step's K/V: eager steps
+  only). ``"device"``: ``prepare`` redirects them in place to rows of the plan's
+  ``null_block`` with one device op, and the write takes every token of the step, so a
+  graph task re-issues it on the same tensors every step.
 - Every paged state (prefill with or without a cache hit, chunked prefill, decode,
   speculative decode): ``torch_npu.npu_fused_infer_attention_score.out`` in ``TND``
   layout with ``block_table`` (block size 128), cumulative query ends
@@ -38,6 +40,11 @@ Operators, one per job:
   Known gap: what the fused op writes for a request with ``actual_seq_lengths_kv``
   0 (a DCP rank holding none of its context) is not documented; ``run`` promises
   ``-inf`` and zeros, which the stand-in models and hardware may not do.
+
+Inputs: query, key, value and out rows must be contiguous (``contiguous_inputs``), as
+the fused ops read them; the provider refuses others with ``ValueError`` rather than
+copy them inside ``write_kv`` / ``attend``, where a graph task would hold the copy and
+re-run it outside the graph on a task update. The caller copies first.
 
 Unsupported here, refused with ``ValueError`` in ``prepare`` (once per step):
 ``logits_soft_cap`` (the fused op has no soft cap; a silent fallback would hide a
@@ -127,15 +134,16 @@ class AscendProvider(AttentionProvider):
     """torch_npu kernels for Ascend NPUs (unverified on hardware, see module doc).
 
     Caches must be contiguous ``[num_blocks, block_size, kv_heads, head_size]``
-    tensors (the fused op reads them as ``(blocknum, blocksize, H)``). With a
-    device ``slot_mapping``, every real token (``t < plan.num_actual_tokens``)
-    needs a slot ``>= 0`` (see the module doc).
+    tensors (the fused op reads them as ``(blocknum, blocksize, H)``); query, key,
+    value and out rows contiguous too. Padding slots follow the plan's
+    ``slot_handling`` (see the module doc).
     """
 
     name: ClassVar[str] = "ascend"
     device_types: ClassVar[tuple[str, ...]] = ("npu",)
     head_sizes: ClassVar[tuple[int, ...]] = ASCEND_HEAD_SIZES
     returns_lse: ClassVar[bool] = True  # softmax_lse_flag / softmax_max + softmax_sum
+    contiguous_inputs: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
@@ -159,7 +167,7 @@ class AscendProvider(AttentionProvider):
         n = plan.num_actual_tokens
         sparse_mode, pre_tokens, next_tokens = sparse_arguments(spec)
         mask = self._causal_mask(plan.device) if spec.causal else None
-        slots, written_tokens = _written_slots(plan.slot_mapping[:n])
+        slots, written_tokens = written_slots(plan, n)
         return AscendStepData(
             num_actual_tokens=n,
             actual_seq_lengths=list(plan.actual_seq_lengths_q),
@@ -188,11 +196,12 @@ class AscendProvider(AttentionProvider):
             return
         if data.written_tokens is None:
             key, value = key[:num_written], value[:num_written]
-        else:
+            check_contiguous_rows(key=key, value=value)
+        else:  # host slot handling: the written rows gathered (eager steps only)
             key, value = key[data.written_tokens], value[data.written_tokens]
         torch_npu_module().npu_scatter_pa_kv_cache(
-            key.contiguous(),
-            value.contiguous(),
+            key,
+            value,
             key_cache,
             value_cache,
             data.slot_mapping,
@@ -252,7 +261,8 @@ class AscendProvider(AttentionProvider):
             block_size=block_size,
             softmax_lse_flag=lse is not None,
         )
-        q = query[:n].contiguous()
+        q = query[:n]
+        check_contiguous_rows(query=q, out=out[:n])
         k = key_cache.view(num_blocks, block_size, -1)
         v = value_cache.view(num_blocks, block_size, -1)
         shape_key = (
@@ -267,15 +277,12 @@ class AscendProvider(AttentionProvider):
             if softmax_lse is None:
                 softmax_lse = torch.empty(1, dtype=torch.float32, device=q.device)
                 self._lse[q.device] = softmax_lse
-        else:  # TND: [T, N, 1] float32, a view of the caller's rows when contiguous
+        else:  # TND: [T, N, 1] float32, a view of the caller's rows
             softmax_lse = lse[:n].unsqueeze(-1)
-            if not softmax_lse.is_contiguous():
-                softmax_lse = torch.empty_like(softmax_lse, memory_format=torch.contiguous_format)
+            check_contiguous_rows(lse=softmax_lse)
         npu.npu_fused_infer_attention_score.out(
             q, k, v, **kwargs, workspace=workspace, out=[out[:n], softmax_lse]
         )
-        if lse is not None and softmax_lse.data_ptr() != lse.data_ptr():
-            lse[:n].copy_(softmax_lse.squeeze(-1))
 
     def _attend_no_cache(
         self,
@@ -289,10 +296,11 @@ class AscendProvider(AttentionProvider):
     ) -> None:
         spec = plan.spec
         n = data.num_actual_tokens
+        check_contiguous_rows(query=query[:n], key=key[:n], value=value[:n])
         result = torch_npu_module().npu_fusion_attention(
-            query[:n].contiguous(),
-            key[:n].contiguous(),
-            value[:n].contiguous(),
+            query[:n],
+            key[:n],
+            value[:n],
             spec.num_heads,
             "TND",
             atten_mask=data.atten_mask,
@@ -364,19 +372,37 @@ def check_spec(spec: AttentionSpec) -> None:
         )
 
 
-def _written_slots(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The slots the KV write gets, and which tokens they belong to (None: a prefix).
+def written_slots(plan: AttentionPlan, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots the KV write of the first ``num_tokens`` tokens gets, and which tokens
+    they belong to (None: all ``num_tokens``), as ``plan.slot_handling`` says.
 
-    Host slots: ``-1`` entries are dropped. Device slots are passed as they are
-    (finding the ``-1`` entries would wait for the device).
+    ``"host"``: the slots are read on the host and ``-1`` entries dropped. ``"device"``:
+    ``-1`` entries are redirected in place to rows of ``plan.null_block`` (padding token
+    ``t`` to row ``t % block_size``), by one device op that reads nothing back.
     """
-    if slots.device.type != "cpu":
+    slots = plan.slot_mapping[:num_tokens]
+    if plan.slot_handling == "device":
+        block_size = plan.spec.block_size
+        rows = torch.arange(num_tokens, device=slots.device) % block_size
+        null_rows = rows + plan.null_block * block_size
+        torch.where(slots < 0, null_rows, slots, out=slots)
         return slots, None
-    valid = slots >= 0
+    valid = slots.cpu() >= 0
     if bool(valid.all()):
         return slots, None
-    tokens = torch.nonzero(valid).flatten()
+    tokens = torch.nonzero(valid).flatten().to(slots.device)
     return slots[tokens], tokens
+
+
+def check_contiguous_rows(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming each tensor the fused ops cannot read as it is."""
+    for name, tensor in tensors.items():
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"the ascend provider needs a contiguous {name} (it does not copy inside a "
+                f"graph task; make the rows contiguous before run), got strides "
+                f"{tensor.stride()} for shape {tuple(tensor.shape)}"
+            )
 
 
 def _step_data(plan: AttentionPlan) -> AscendStepData:

@@ -112,8 +112,9 @@ from npu_attention.providers.ascend import (
     CAUSAL_MASK_SIZE,
     SPARSE_CAUSAL,
     SPARSE_NONE,
-    _written_slots,
+    check_contiguous_rows,
     torch_npu_module,
+    written_slots,
 )
 from npu_attention.providers.mla_base import MLAProvider, require_cache
 
@@ -155,6 +156,7 @@ class AscendMLAProvider(MLAProvider):
     name: ClassVar[str] = "ascend"
     device_types: ClassVar[tuple[str, ...]] = ("npu",)
     returns_lse: ClassVar[bool] = True  # through ATB's MultiLatentAttention (module doc)
+    contiguous_inputs: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
@@ -176,7 +178,7 @@ class AscendMLAProvider(MLAProvider):
     def prepare(self, plan: AttentionPlan) -> AscendMLAStepData:
         require_cache(plan)
         n, nd = plan.num_actual_tokens, plan.num_decodes
-        slots, written = _written_slots(plan.slot_mapping[:n])
+        slots, written = written_slots(plan, n)
         cu = plan.cu_seqlens_q_host
         blocks, offsets = _prefill_rows(plan)
         prefill_ends = np.cumsum(plan.seq_lens_host[nd:]).tolist()
@@ -207,12 +209,13 @@ class AscendMLAProvider(MLAProvider):
             return
         if data.written_tokens is None:
             kv_c, k_pe = kv_c[:count], k_pe[:count]
-        else:
+            check_contiguous_rows(kv_c=kv_c, k_pe=k_pe)
+        else:  # host slot handling: the written rows gathered (eager steps only)
             kv_c, k_pe = kv_c[data.written_tokens], k_pe[data.written_tokens]
         num_blocks, block_size = cache.kv_c.shape[:2]
         torch_npu_module().npu_scatter_pa_kv_cache(
-            kv_c.contiguous().unsqueeze(1),
-            k_pe.contiguous().unsqueeze(1),
+            kv_c.unsqueeze(1),
+            k_pe.unsqueeze(1),
             cache.kv_c.view(num_blocks, block_size, 1, -1),
             cache.k_pe.view(num_blocks, block_size, 1, -1),
             data.slot_mapping,
@@ -442,7 +445,8 @@ def _padded_heads(num_heads: int) -> int:
 def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """``x`` ``[T, N, D]`` as a contiguous ``[T, heads, D]``, zero rows appended."""
     if x.shape[1] == heads:
-        return x.contiguous()
+        check_contiguous_rows(query=x)
+        return x
     padded = x.new_zeros(x.shape[0], heads, x.shape[2])
     padded[:, : x.shape[1]] = x
     return padded

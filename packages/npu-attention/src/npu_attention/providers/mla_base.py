@@ -39,6 +39,9 @@ class MLAProvider(ABC):
     device_types: ClassVar[tuple[str, ...]]
     # Whether ``decode`` can also write the rows' log-sum-exp (``lse=``).
     returns_lse: ClassVar[bool] = False
+    # Whether ``write_cache`` / ``decode`` need contiguous latent, rope and query rows
+    # (refused otherwise: see ``AttentionProvider.contiguous_inputs``).
+    contiguous_inputs: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls) -> bool:

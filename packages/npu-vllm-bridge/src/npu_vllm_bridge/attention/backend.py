@@ -8,6 +8,7 @@ builder they name and in what vLLM's base classes require of them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -17,6 +18,7 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
+import npu_attention
 from npu_vllm_bridge.attention.builder import BridgeMetadataBuilder
 from npu_vllm_bridge.attention.capabilities import (
     KERNEL_BLOCK_SIZES,
@@ -24,6 +26,7 @@ from npu_vllm_bridge.attention.capabilities import (
     attention_head_sizes,
 )
 from npu_vllm_bridge.attention.impl import BridgeAttentionImpl
+from npu_vllm_bridge.attention.kv_cache import SCALE_BYTES
 from npu_vllm_bridge.attention.mla_builder import BridgeMLAMetadataBuilder
 from npu_vllm_bridge.attention.mla_impl import BridgeMLAImpl
 
@@ -85,6 +88,19 @@ class NPUBridgeAttentionBackend(BridgeBackendMixin, AttentionBackend):
     forward_includes_kv_cache_update: bool = True
     impl_cls = BridgeAttentionImpl
     builder_cls = BridgeMetadataBuilder
+    # Every kind npu-attention defines; the platform's start-up check refuses those its
+    # provider does not take (``settings.refuse_kv_cache_dtype``).
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(npu_attention.KV_CACHE_DTYPES)
+
+    @classmethod
+    def customize_spec(cls, spec):
+        """Per-token-head kinds keep a float32 scale after each head's K row and after
+        its V row, as vLLM's Triton backend does: a page of ``2 * (head_size + 4)`` bytes
+        per head and token, which vLLM's KV sizing counts."""
+        if spec.state_content_bytes is not None or not spec.kv_quant_mode.is_per_token_head:
+            return spec
+        content = (spec.head_size + spec.head_size_v) * spec.dtype.itemsize + 2 * SCALE_BYTES
+        return replace(spec, state_content_bytes=content)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

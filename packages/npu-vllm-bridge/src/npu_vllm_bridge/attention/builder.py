@@ -25,6 +25,7 @@ from vllm.v1.attention.backend import (
 import npu_attention
 from npu_attention import AttentionPlan, AttentionSpec
 from npu_vllm_bridge.attention.context_parallel import DCPPlans, dcp_layout_of, plan_dcp
+from npu_vllm_bridge.attention.padding_slots import SLOT_HANDLING
 from npu_vllm_bridge.settings import PREFIX, current_settings
 
 if TYPE_CHECKING:
@@ -154,6 +155,7 @@ class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
             device=self.device,
             provider=self.provider,
             device_lengths=runner_lengths(cm) if lengths.as_given(cm) else None,
+            **SLOT_HANDLING,
         )
 
     def plan_step(self, cm: CommonAttentionMetadata, lengths: StepLengths) -> M:
@@ -272,22 +274,25 @@ def attention_spec_for_layers(
     if not layers:
         raise ValueError(f"no attention layers named {layer_names} in the model")
     shapes = {
-        (impl.num_heads, impl.scale, impl.sliding_window, impl.logits_soft_cap)
+        (impl.num_heads, impl.scale, impl.sliding_window, impl.logits_soft_cap, impl.kv_cache_dtype)
         for impl in (layer.impl for layer in layers.values())
     }
     if len(shapes) != 1:
         raise ValueError(
             f"{PREFIX} plans attention once per KV-cache group, but the layers "
-            f"{sorted(layers)} differ in (num_heads, scale, sliding_window, soft_cap): "
-            f"{sorted(shapes, key=str)}"
+            f"{sorted(layers)} differ in (num_heads, scale, sliding_window, soft_cap, "
+            f"kv_cache_dtype): {sorted(shapes, key=str)}"
         )
-    num_heads, scale, sliding_window, soft_cap = shapes.pop()
+    num_heads, scale, sliding_window, soft_cap, kv_cache_dtype = shapes.pop()
+    # An 8-bit cache's spec holds the page dtype (uint8 / int8); attention runs in the model's.
+    dtype = kv_cache_spec.dtype if kv_cache_dtype == "auto" else vllm_config.model_config.dtype
     return AttentionSpec(
         num_heads=num_heads,
         num_kv_heads=kv_cache_spec.num_kv_heads,
         head_size=kv_cache_spec.head_size,
         block_size=kv_cache_spec.block_size,
-        dtype=kv_cache_spec.dtype,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         causal=True,
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,

@@ -61,7 +61,7 @@ def refuse_layer_options(
         raise ValueError(f"{PREFIX} MLA does not support sliding-window MLA layers")
     if mla and logits_soft_cap:
         raise ValueError(f"{PREFIX} MLA does not support a logits soft cap")
-    refuse_kv_cache_dtype(kv_cache_dtype)
+    refuse_kv_cache_dtype(kv_cache_dtype, "mla" if mla else "attention")
     if attn_type != AttentionType.DECODER:
         raise ValueError(
             f"{PREFIX} supports decoder self-attention only, got attn_type={attn_type!r}"

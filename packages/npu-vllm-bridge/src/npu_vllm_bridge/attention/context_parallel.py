@@ -40,6 +40,7 @@ from npu_attention import (
     merge_attention_states,
     plan_context,
 )
+from npu_vllm_bridge.attention.padding_slots import SLOT_HANDLING
 from npu_vllm_bridge.attention.tasks import run_dcp_attention
 from npu_vllm_bridge.collectives import all_gather_, all_to_all_
 
@@ -117,6 +118,7 @@ def plan_dcp(
         device=device,
         provider=provider,
         slot_mapping=slot_mapping,
+        **SLOT_HANDLING,
     )
     new_plan = npu_attention.plan(
         cu_seqlens_q, query_lens, None, None, num_decodes, spec, device=device, provider=provider

@@ -10,16 +10,20 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionTy
 from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
 from npu_vllm_bridge.attention.capabilities import refuse_layer_options
 from npu_vllm_bridge.attention.context_parallel import dcp_attention
-from npu_vllm_bridge.attention.kv_cache import split_kv_cache
-from npu_vllm_bridge.attention.tasks import run_attention
+from npu_vllm_bridge.attention.kv_cache import quantized_kv_cache, split_kv_cache
+from npu_vllm_bridge.attention.tasks import contiguous_rows, run_attention
 from npu_vllm_bridge.settings import PREFIX, current_settings
 
 
 class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
     """Writes the step's K/V into the paged cache and attends, for one layer.
 
-    Options the kernels do not have (ALiBi, attention sinks, quantized KV
-    caches, encoder attention) are refused here, when vLLM builds the layer.
+    Options the kernels do not have (ALiBi, attention sinks, KV cache kinds the
+    provider does not take, encoder attention) are refused here, when vLLM builds the
+    layer. An 8-bit cache (``kv_cache_dtype``) is read and written through
+    npu-attention's quantized kinds: per-tensor scales are the layer's ``_k_scale`` /
+    ``_v_scale`` (a checkpoint's, else vLLM's default 1.0), per-token-head scales sit
+    in the pages.
 
     Decode context parallelism: every npu-attention provider the bridge plans with
     returns the natural-log LSE, so vLLM may shard the KV cache over its DCP group
@@ -65,6 +69,14 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
         self.kv_cache_split = current_settings().kv_cache_split
         if self.dcp_world_size > 1:  # set by vLLM's AttentionImplBase.__new__
             refuse_under_dcp(self.dcp_world_size, sliding_window, kv_sharing_target_layer_name)
+        if kv_cache_dtype != "auto" and (
+            self.dcp_world_size > 1 or self.kv_cache_split != "packed"
+        ):
+            raise ValueError(
+                f"{PREFIX} keeps an 8-bit KV cache (kv_cache_dtype={kv_cache_dtype!r}) in "
+                "packed pages without decode context parallelism; got kv_cache_split="
+                f"{self.kv_cache_split!r}, decode_context_parallel_size={self.dcp_world_size}"
+            )
 
     def forward(
         self,
@@ -92,7 +104,18 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
             raise NotImplementedError(f"{PREFIX} does not fuse output quantization")
         if attn_metadata is None:  # vLLM's profiling run: no step to attend
             return output.zero_()
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size, self.kv_cache_split)
+        scales: dict[str, torch.Tensor] = {}
+        if self.kv_cache_dtype == "auto":
+            key_cache, value_cache = split_kv_cache(kv_cache, self.head_size, self.kv_cache_split)
+        else:
+            key_cache, value_cache, k_scale, v_scale = quantized_kv_cache(
+                kv_cache, self.head_size, self.kv_cache_dtype
+            )
+            if k_scale is None:  # per tensor: the layer's
+                k_scale, v_scale = layer._k_scale, layer._v_scale
+            scales = {"k_scale": k_scale, "v_scale": v_scale}
+        if attn_metadata.plan.provider.contiguous_inputs:
+            query, key, value = contiguous_rows(query, key, value)
         if attn_metadata.dcp is not None:
             from vllm.distributed.parallel_state import get_dcp_group
 
@@ -105,7 +128,7 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
             key = value = None
         run_attention(
             query, key, value, key_cache, value_cache, output, attn_metadata,
-            layer_name=layer.layer_name,
+            layer_name=layer.layer_name, **scales,
         )  # fmt: skip
         return output
 

@@ -11,6 +11,11 @@ backend reads and writes inside the pages, so it decides what a page holds:
   Ascend's paged kernels take. Only valid while nothing but the backend touches the
   pages (vLLM zeroes blocks by id only for Mamba or mixed-precision caches, which
   the bridge refuses where it uses planes).
+
+8-bit caches (``--kv-cache-dtype``) are packed as vLLM packs them: vLLM allocates
+``uint8`` (fp8 kinds) or ``int8`` pages; a per-token-head kind adds a float32 scale
+after each head's K row and after its V row (``[K | k_scale | V | v_scale]`` per head
+and token, vLLM's Triton backend's page), which ``quantized_kv_cache`` views.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from typing import Any
 
 import torch
 
+import npu_attention
+from npu_attention.kv_quant import ScaleKind
 from npu_vllm_bridge.settings import PREFIX
 
 SPLITS = ("packed", "planes")
+SCALE_BYTES = 4  # one float32 scale per head and token, per side
 
 
 def split_kv_cache(
@@ -50,6 +58,74 @@ def split_kv_cache(
     if split == "planes":
         return _planes(kv_cache, head_size)
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def scale_bytes_per_side(kv_cache_dtype: str) -> int:
+    """Bytes a page adds after each head's K row (and V row): a per-token-head kind's
+    float32 scale, else none."""
+    if npu_attention.kv_quant.scale_kind(kv_cache_dtype) is ScaleKind.PER_TOKEN_HEAD:
+        return SCALE_BYTES
+    return 0
+
+
+def quantized_kv_cache(
+    kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Views of an 8-bit packed cache: ``(key_cache, value_cache, k_scales, v_scales)``.
+
+    Args:
+        kv_cache: vLLM's ``[num_blocks, num_kv_heads, block_size, C]`` of ``uint8`` or
+            ``int8``, ``C = 2 * head_size`` (per-tensor kinds) or ``2 * (head_size + 4)``
+            (per-token-head kinds), any physical layout.
+        kv_cache_dtype: one of ``npu_attention.KV_CACHE_DTYPES`` other than ``auto``.
+
+    Returns:
+        ``key_cache`` and ``value_cache`` ``[num_blocks, block_size, num_kv_heads,
+        head_size]`` of the kind's page dtype (``float8_e4m3fn`` or ``int8``); for a
+        per-token-head kind the float32 scales ``[num_blocks, block_size,
+        num_kv_heads]`` of each side, else ``None`` (the layer's ``_k_scale`` /
+        ``_v_scale`` serve).
+    """
+    pad = scale_bytes_per_side(kv_cache_dtype)
+    width = head_size + pad
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * width or kv_cache.element_size() != 1:
+        raise ValueError(
+            f"expected an 8-bit KV cache [num_blocks, num_kv_heads, block_size, {2 * width}] "
+            f"for kv_cache_dtype={kv_cache_dtype!r}, got {kv_cache.dtype} {tuple(kv_cache.shape)}"
+        )
+    dtype = npu_attention.kv_quant.cache_dtype(kv_cache_dtype, torch.float16)
+    pages = kv_cache.view(dtype).transpose(1, 2)
+    key_cache, value_cache = pages[..., :head_size], pages[..., width : width + head_size]
+    if not pad:
+        return key_cache, value_cache, None, None
+    return (
+        key_cache,
+        value_cache,
+        _scale_view(kv_cache, head_size),
+        _scale_view(kv_cache, 2 * width - pad),
+    )
+
+
+def _scale_view(kv_cache: torch.Tensor, offset: int) -> torch.Tensor:
+    """float32 ``[num_blocks, block_size, num_kv_heads]`` over the 4 bytes at ``offset``
+    of each (block, head, slot) row of the 1-byte ``kv_cache``."""
+    strides = kv_cache.stride()
+    if (
+        any(stride % SCALE_BYTES for stride in strides[:3])
+        or (kv_cache.storage_offset() + offset) % SCALE_BYTES
+    ):
+        raise ValueError(
+            f"per-token-head scales need 4-byte aligned rows, got strides {strides} and "
+            f"storage offset {kv_cache.storage_offset()}"
+        )
+    words = torch.empty(0, dtype=torch.float32, device=kv_cache.device)
+    words.set_(kv_cache.untyped_storage())
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    return words.as_strided(
+        (num_blocks, block_size, num_kv_heads),
+        (strides[0] // SCALE_BYTES, strides[2] // SCALE_BYTES, strides[1] // SCALE_BYTES),
+        (kv_cache.storage_offset() + offset) // SCALE_BYTES,
+    )
 
 
 def _planes(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

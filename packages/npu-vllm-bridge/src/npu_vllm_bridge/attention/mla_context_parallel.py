@@ -32,6 +32,7 @@ from npu_attention import AttentionPlan, plan_context
 from npu_attention.context_parallel import dcp_local_seq_lens
 from npu_attention.mla import MLASpec
 from npu_vllm_bridge.attention.context_parallel import DCPLayout, gather_heads, merge_rank_parts
+from npu_vllm_bridge.attention.padding_slots import SLOT_HANDLING
 
 
 def plan_mla_dcp(
@@ -82,6 +83,7 @@ def plan_mla_dcp(
         device=device,
         provider=provider,
         slot_mapping=slot_mapping,
+        **SLOT_HANDLING,
     )
 
 

@@ -32,7 +32,12 @@ from npu_attention.mla import LatentCache, latent_cache_planes, split_latent_cac
 from npu_vllm_bridge.attention.capabilities import refuse_layer_options
 from npu_vllm_bridge.attention.mla_builder import BridgeMLAMetadata
 from npu_vllm_bridge.attention.mla_context_parallel import BridgeMLADCP
-from npu_vllm_bridge.attention.tasks import run_mla_decode, run_mla_prefill, run_mla_write_cache
+from npu_vllm_bridge.attention.tasks import (
+    contiguous_rows,
+    run_mla_decode,
+    run_mla_prefill,
+    run_mla_write_cache,
+)
 from npu_vllm_bridge.settings import PREFIX, current_settings
 
 # The arguments vLLM's MLA impl takes (the layer may pass more; they are not its).
@@ -91,9 +96,12 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         attn_metadata = layer_attn_metadata(layer_name)
         if attn_metadata is None:  # vLLM's profiling run
             return
+        kv_c, k_pe = kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)
+        if attn_metadata.plan.provider.contiguous_inputs:  # copies outside the task
+            kv_c, k_pe = contiguous_rows(kv_c, k_pe)
         run_mla_write_cache(
-            kv_c_normed,
-            k_pe.reshape(k_pe.shape[0], -1),
+            kv_c,
+            k_pe,
             self.latent_cache(kv_cache, attn_metadata.plan.spec),
             attn_metadata,
             layer_name=layer_name,
@@ -115,6 +123,8 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         else:
             q_latent, q_rope = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         plan = attn_metadata.plan
+        if plan.provider.contiguous_inputs:  # vLLM's q_latent is a transposed bmm output
+            q_latent, q_rope = contiguous_rows(q_latent, q_rope)
         rows, heads = q_latent.shape[0], plan.spec.num_heads
         out = q_latent.new_zeros(rows, heads, self.kv_lora_rank)
         lse = None

@@ -61,6 +61,17 @@ def dcp_plan_args(attn_metadata: Any) -> dict[str, AttentionPlan]:
     return {"context_plan": plans.context_plan, "new_plan": plans.new_plan}
 
 
+def contiguous_rows(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Each tensor contiguous (itself when it already is; ``None`` stays ``None``).
+
+    For providers that read their inputs as they are (``contiguous_inputs``): vLLM's
+    value (and, after an in-place rotary kernel, query and key) is a strided view of the
+    QKV projection's output. The copy is made here, before the attention task, so that a
+    graph records it as one of its own ops; inside the task an NPU task update would
+    re-run it outside the graph (on V1 before the replay, reading the last step's rows)."""
+    return [t if t is None or t.is_contiguous() else t.contiguous() for t in tensors]
+
+
 def run_attention(
     query: torch.Tensor,
     key: torch.Tensor | None,
@@ -71,16 +82,24 @@ def run_attention(
     attn_metadata: Any,
     *,
     layer_name: str,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """``npu_attention.run`` of one layer (K/V write and attention) as a task."""
+    """``npu_attention.run`` of one layer (K/V write and attention) as a task. An 8-bit
+    cache's scales are static arguments: the layer's per-tensor scales, or views of the
+    per-token-head scales the step writes into its pages."""
     call_task(
-        _attention, query, key, value, key_cache, value_cache, out,
+        _attention, query, key, value, key_cache, value_cache, out, k_scale, v_scale,
         step=attn_metadata, derive=plan_args, name=layer_name,
     )  # fmt: skip
 
 
-def _attention(query, key, value, key_cache, value_cache, out, *, plan: AttentionPlan) -> None:
-    npu_attention.run(query, key, value, key_cache, value_cache, plan, out)
+def _attention(
+    query, key, value, key_cache, value_cache, out, k_scale, v_scale, *, plan: AttentionPlan
+) -> None:  # fmt: skip
+    npu_attention.run(
+        query, key, value, key_cache, value_cache, plan, out, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def run_dcp_attention(

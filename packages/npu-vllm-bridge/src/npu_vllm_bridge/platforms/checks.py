@@ -57,7 +57,9 @@ def _check_model(model_config) -> None:
 
 def _check_cache(vllm_config: VllmConfig) -> None:
     cache_config = vllm_config.cache_config
-    refuse_kv_cache_dtype(cache_config.cache_dtype)
+    model_config = vllm_config.model_config
+    mla = model_config is not None and model_config.use_mla
+    refuse_kv_cache_dtype(cache_config.cache_dtype, "mla" if mla else "attention")
     block_size = cache_config.block_size
     if cache_config.user_specified_block_size and block_size % min(KERNEL_BLOCK_SIZES):
         raise ValueError(

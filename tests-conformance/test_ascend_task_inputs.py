@@ -1,0 +1,185 @@
+"""What the ascend provider hands torch_npu inside an attention task.
+
+A graph task re-issued on a task update runs its torch_npu op again with new host
+arguments; anything else inside the task (a copy, an allocation) would run outside the
+graph, and on V1, which updates before the replay, read the previous step's rows. So:
+
+- a strided query, key or value is refused before anything is written, not copied;
+- once a step's shapes have been seen, ``run`` issues no aten op outside torch_npu's but
+  views, and the next step's call hands each op the same tensors (addresses, shapes);
+- with ``slot_handling="device"`` padding slots (``-1``) never reach
+  ``npu_scatter_pa_kv_cache``: they go to rows of the null block, every token is
+  written, and the real rows land where the reference provider puts them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from ascend_cases import CASES, DTYPE_TOLERANCE, build_batch, max_error, run_provider
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from npu_attention import plan, register_provider, run
+
+ASCEND_TARGET = "npu_attention.providers.ascend:AscendProvider"
+SCATTER = "npu_scatter_pa_kv_cache"
+FUSED = "npu_fused_infer_attention_score.out"
+DECODE = next(case for case in CASES if case.name == "decode_only")
+# Room for a token more in every request's last block: two steps on one block table.
+TWO_STEPS = next(case for case in CASES if case.name == "decode_window")
+
+
+@pytest.fixture
+def host_ascend():
+    register_provider("ascend", "ascend_cases:HostAscendProvider")
+    yield "ascend"
+    register_provider("ascend", ASCEND_TARGET)
+
+
+class _OutsideTorchNpu(TorchDispatchMode):
+    """Records the aten ops issued outside calls of the ``torch_npu`` module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+        self.ops: list[torch._ops.OpOverload] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.depth == 0:
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _Counted:
+    """A view of ``target`` whose calls (at any attribute depth) are not recorded."""
+
+    def __init__(self, target, mode: _OutsideTorchNpu) -> None:
+        self._target, self._mode = target, mode
+
+    def __getattr__(self, name: str):
+        return _Counted(getattr(self._target, name), self._mode)
+
+    def __call__(self, *args, **kwargs):
+        self._mode.depth += 1
+        try:
+            return self._target(*args, **kwargs)
+        finally:
+            self._mode.depth -= 1
+
+
+def _decode_steps(host_ascend: str):
+    """Two decode steps of one batch as a runner keeps them: one slot buffer and one
+    block table, rewritten in place; step 2 appends a token to every request."""
+    batch = build_batch(TWO_STEPS)
+    slots, tables = batch.slot_mapping.clone(), batch.block_tables.clone()
+    block = TWO_STEPS.spec.block_size
+
+    def step(number: int):
+        seq_lens = [n + number - 1 for n in batch.seq_lens]
+        for r, n in enumerate(seq_lens):
+            slots[r] = int(tables[r, (n - 1) // block]) * block + (n - 1) % block
+        return plan(
+            batch.cu_seqlens_q, seq_lens, tables, slots, TWO_STEPS.num_decodes, TWO_STEPS.spec,
+            provider=host_ascend, slot_handling="device", null_block=0,
+        )  # fmt: skip
+
+    return batch, step
+
+
+def test_a_strided_value_is_refused_before_anything_is_written(stand_in, host_ascend) -> None:
+    """vLLM's value is a view of the QKV projection's rows; the provider would have to
+    copy it inside the task, so it refuses it (the bridge copies before the task)."""
+    batch = build_batch(DECODE)
+    step = plan(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, batch.slot_mapping,
+                DECODE.num_decodes, DECODE.spec, provider=host_ascend)  # fmt: skip
+    qkv = torch.cat([batch.key, batch.value], dim=-1)  # rows of [K | V]
+    value = qkv[..., DECODE.head_size :]
+    assert not value.is_contiguous() and torch.equal(value, batch.value)
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+    with pytest.raises(ValueError, match="contiguous value"):
+        run(batch.query, batch.key, value, key_cache, value_cache, step,
+            torch.zeros_like(batch.query))  # fmt: skip
+    assert torch.equal(key_cache, batch.key_cache) and torch.equal(value_cache, batch.value_cache)
+    assert not stand_in.log.of(SCATTER)
+
+
+def test_a_reissued_step_runs_only_views_outside_torch_npu(stand_in, host_ascend, monkeypatch):
+    batch, step = _decode_steps(host_ascend)
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+    out = torch.zeros_like(batch.query)
+    run(batch.query, batch.key, batch.value, key_cache, value_cache, step(1), out)
+    second = step(2)  # planned outside the task, as the builder plans before the forward
+    mode = _OutsideTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", _Counted(stand_in, mode))
+    with mode:
+        run(batch.query, batch.key, batch.value, key_cache, value_cache, second, out)
+    assert mode.ops, "the dispatch mode saw nothing: it checks nothing"
+    work = sorted({str(op) for op in mode.ops if not op.is_view})
+    assert not work, f"work inside the task besides torch_npu's ops: {work}"
+
+
+def _tensor_arguments(call) -> dict[str, tuple]:
+    return {
+        name: (value.data_ptr(), tuple(value.shape), value.stride())
+        for name, value in call.arguments.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def test_the_next_step_hands_each_op_its_tensors_again(stand_in, host_ascend) -> None:
+    """A task update re-issues each op on the tensors it was captured with and changes
+    host arguments only: the next step's calls name the same tensors."""
+    batch, step = _decode_steps(host_ascend)
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+    out = torch.zeros_like(batch.query)
+    for number in (1, 2):
+        run(batch.query, batch.key, batch.value, key_cache, value_cache, step(number), out)
+    for name in (SCATTER, FUSED):
+        first, second = stand_in.log.of(name)
+        assert _tensor_arguments(first) == _tensor_arguments(second), name
+    lengths = [call.arguments["actual_seq_lengths_kv"] for call in stand_in.log.of(FUSED)]
+    assert lengths[1] == [n + 1 for n in lengths[0]]  # the host arguments did change
+
+
+def test_device_slot_handling_writes_padding_into_the_null_block(stand_in, host_ascend) -> None:
+    """Two padding requests of one token (slot -1, block-table rows on the null block),
+    as the bridge pads a FULL-graph decode batch: the scatter gets every token's slot,
+    the padding rows in the null block; the real rows and outputs equal the reference
+    provider's, and no block but the null block and the real requests' changes."""
+    batch = build_batch(DECODE)
+    block = DECODE.spec.block_size
+    null = batch.key_cache.shape[0]  # one block past those build_batch hands out
+    pad_rows = torch.zeros(1, *batch.key_cache.shape[1:], dtype=batch.key_cache.dtype)
+    key_cache = torch.cat([batch.key_cache, pad_rows])
+    value_cache = torch.cat([batch.value_cache, pad_rows])
+    real = DECODE.num_decodes
+    cu = [*batch.cu_seqlens_q, real + 1, real + 2]
+    seq_lens = [*batch.seq_lens, 1, 1]
+    tables = torch.cat([batch.block_tables, torch.full((2, batch.block_tables.shape[1]), null)])
+    slots = batch.slot_mapping.clone()  # [-1] * DECODE.padding after the real tokens
+    step = plan(cu, seq_lens, tables.to(torch.int32), slots, real + 2, DECODE.spec,
+                provider=host_ascend, slot_handling="device", null_block=null)  # fmt: skip
+    out = torch.zeros_like(batch.query)
+    run(batch.query, batch.key, batch.value, key_cache, value_cache, step, out)
+    (scatter,) = stand_in.log.of(SCATTER)
+    written = scatter.arguments["slot_mapping"].tolist()
+    assert written[:real] == batch.slot_mapping[:real].tolist()
+    assert written[real:] == [null * block + token % block for token in (real, real + 1)]
+    expected = run_provider(batch, "reference")
+    tolerance = DTYPE_TOLERANCE[DECODE.dtype]
+    assert max_error(out[:real], expected.out[:real]) < tolerance
+    assert torch.equal(key_cache[:null], expected.key_cache)
+    assert torch.equal(value_cache[:null], expected.value_cache)
+    torch.testing.assert_close(key_cache[null, real : real + 2], batch.key[real : real + 2])
+
+
+def test_device_slot_handling_needs_a_null_block(host_ascend) -> None:
+    batch = build_batch(DECODE)
+    with pytest.raises(ValueError, match="null_block"):
+        plan(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, batch.slot_mapping,
+             DECODE.num_decodes, DECODE.spec, provider="reference", slot_handling="device")  # fmt: skip
+    with pytest.raises(ValueError, match="slot_handling"):
+        plan(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, batch.slot_mapping,
+             DECODE.num_decodes, DECODE.spec, provider="reference", slot_handling="cpu")  # fmt: skip
