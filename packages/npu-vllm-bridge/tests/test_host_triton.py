@@ -3,6 +3,7 @@ fresh process: it acts once, when vLLM loads the platform."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,6 +33,7 @@ print("STATE " + json.dumps({
     "interpret_knob": bool(knobs.runtime.interpret),
     "helpers_interpreted": isinstance(tl.max, InterpretedFunction),
     "cpu_backend_visible": "cpu" in triton.backends.backends,
+    "stand_in_visible": host_triton.ACTIVE_STAND_IN_BACKEND in triton.backends.backends,
     "torch_sees_triton": torch.utils._triton.has_triton(),
     "env_interpret": os.environ.get("TRITON_INTERPRET"),
 }))
@@ -96,6 +98,7 @@ def test_v2_in_host_mode_interprets_and_nothing_else_sees_the_stand_in() -> None
         "interpret_knob": True,
         "helpers_interpreted": True,
         "cpu_backend_visible": False,  # torch's inductor would take it for Triton CPU
+        "stand_in_visible": False,
         "torch_sees_triton": False,
         "env_interpret": None,  # the knob, not the environment
     }
@@ -106,7 +109,13 @@ def test_v2_in_host_mode_interprets_and_nothing_else_sees_the_stand_in() -> None
     [
         {"NPU_BRIDGE_DEVICE": "cpu"},  # host mode's default runner: V1
         {"NPU_BRIDGE_DEVICE": "cpu", "VLLM_USE_V2_MODEL_RUNNER": "0"},
-        {"VLLM_USE_V2_MODEL_RUNNER": "1"},  # not host mode: vLLM's own CPU platform
+        pytest.param(
+            {"VLLM_USE_V2_MODEL_RUNNER": "1"},  # not host mode: vLLM's own CPU platform
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("vllm._C") is None,
+                reason="an empty vLLM build has no CPU platform of its own",
+            ),
+        ),
     ],
 )
 def test_without_v2_in_host_mode_triton_is_left_alone(env: dict[str, str]) -> None:
@@ -114,6 +123,7 @@ def test_without_v2_in_host_mode_triton_is_left_alone(env: dict[str, str]) -> No
     assert not state["has_triton"] and not state["interpreting"]
     assert not state["interpret_knob"] and not state["helpers_interpreted"]
     assert not state["cpu_backend_visible"] and state["env_interpret"] is None
+    assert not state["stand_in_visible"]
 
 
 def test_an_interpreted_kernel_inside_a_host_graph_capture_is_refused() -> None:

@@ -30,11 +30,31 @@ def _parameters(fn) -> list[str]:
     return [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD]
 
 
+# Arguments vLLM 0.33's kernels added, which 0.32's do not take (they default to off).
+NEWER_ARGUMENTS = {
+    "vllm.v1.worker.gpu.input_batch._post_update_kernel": (
+        "draft_tokens_ptr", "draft_tokens_out_ptr", "num_draft_tokens",
+    ),
+    "vllm.v1.worker.gpu.block_table._gather_block_tables_kernel": (
+        "num_computed_tokens_ptr", "sliding_window_reach_ptr", "block_sizes_ptr",
+        "MASK_SLIDING_WINDOW",
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_arguments_are_named_as_the_kernels(name: str) -> None:
+    """Ours take this vLLM's kernel's arguments in its order (vLLM launches them by
+    position), and arguments only the other vLLM's kernel has have defaults."""
     module, attr = name.rsplit(".", 1)
     kernel = getattr(importlib.import_module(module), attr)
-    assert _parameters(KERNELS[name]) == _parameters(kernel)
+    newer = NEWER_ARGUMENTS.get(name, ())
+    theirs = _parameters(kernel)
+    ours = _parameters(KERNELS[name])
+    assert [p for p in ours if p in theirs or p not in newer] == theirs
+    defaults = inspect.signature(KERNELS[name]).parameters
+    for missing in set(ours) - set(theirs):
+        assert defaults[missing].default is not inspect.Parameter.empty, missing
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +77,8 @@ def interpreted() -> dict[str, str]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_writes_what_the_interpreted_kernel_writes(interpreted: dict[str, str], case: str) -> None:
+    if interpreted[case].startswith("skip: "):
+        pytest.skip(interpreted[case][len("skip: ") :])
     assert interpreted[case] == "ok", interpreted[case]
 
 

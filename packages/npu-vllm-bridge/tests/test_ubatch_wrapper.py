@@ -30,6 +30,7 @@ from npu_vllm_bridge.graphs.ubatch_wrapper import (
     current_micro_batch,
     micro_batch_collective,
     micro_batch_id,
+    micro_batch_token_offset,
     vllm_ubatch_wrapper_bypassed,
 )
 
@@ -232,6 +233,34 @@ def test_vllm_modules_read_the_micro_batch_threads_ids():
     _, halves, slices = setup.step(STEPS[0])
     setup.run(halves, slices)
     assert sorted(seen) == [0, 1] and micro_batch_id() == 0
+
+
+def test_vllm_modules_read_each_micro_batchs_first_row():
+    """What vLLM 0.33 records per token of a micro-batch (routed experts) it places by
+    ``dbo_current_ubatch_token_offset``: inside the bridge's micro-batches, the first row
+    of each in the step's batch (vLLM's slices: 2 + 3 tokens)."""
+    from vllm.v1.worker import ubatching
+
+    if not hasattr(ubatching, "dbo_current_ubatch_token_offset"):
+        pytest.skip("this vLLM (before 0.33) has no dbo_current_ubatch_token_offset")
+    from vllm.model_executor.layers.fused_moe import routed_experts_capturer
+
+    setup = _Setup(full_graphs=False, seed=26)
+    assert routed_experts_capturer.dbo_current_ubatch_token_offset is micro_batch_token_offset
+    seen = []
+    model = setup.model
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        rows = kwargs["inputs_embeds"].shape[0]
+        seen.append((routed_experts_capturer.dbo_current_ubatch_token_offset(), rows))
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    _, halves, slices = setup.step(STEPS[0])
+    setup.run(halves, slices)
+    assert sorted(seen) == [(0, 2), (2, 3)], seen
+    assert micro_batch_token_offset() == 0  # outside: vLLM's own answer
 
 
 def test_vllm_gpu_runner_leaves_the_model_unwrapped_for_the_bridge():

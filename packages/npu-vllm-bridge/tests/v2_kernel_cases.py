@@ -22,6 +22,17 @@ import torch
 PAD = -1
 
 
+class NotInThisVllm(Exception):
+    """The case exercises arguments this vLLM's kernel does not have."""
+
+
+def _kernel_takes(kernel_name: str, argument: str) -> bool:
+    import importlib
+
+    module_name, attr = kernel_name.rsplit(".", 1)
+    return argument in getattr(importlib.import_module(module_name), attr).arg_names
+
+
 def _launch_both(case: Callable[[], tuple], kernel_name: str) -> list[tuple[torch.Tensor, ...]]:
     """Build ``case``'s inputs twice; run the interpreted kernel and our version;
     return what each run wrote (the tensors the case names)."""
@@ -88,7 +99,12 @@ def num_sampled_and_rejected():
     return (3,), args, {}, (num_sampled, num_rejected)
 
 
-def post_update():
+def post_update(*, drafts: bool = False):
+    """vLLM 0.33's kernel takes draft tokens to copy to each request's row: none here
+    unless ``drafts`` (0.32's takes none)."""
+    takes_drafts = _kernel_takes(_INPUT_BATCH + "_post_update_kernel", "draft_tokens_ptr")
+    if drafts and not takes_drafts:
+        raise NotInThisVllm("this vLLM's _post_update_kernel copies no draft tokens")
     idx_mapping = torch.tensor([2, -1, 0, 3], dtype=torch.int32)
     num_computed = torch.tensor([10, 4, 7, 0], dtype=torch.int32)
     last_sampled = torch.zeros(4, 1, dtype=torch.int64)
@@ -105,10 +121,23 @@ def post_update():
         all_token_ids.stride(0), total_len,
     )  # fmt: skip
     outputs = (num_computed, last_sampled, bin_counts, all_token_ids, total_len)
+    if drafts:
+        draft_tokens = torch.arange(200, 208, dtype=torch.int64).view(4, 2)
+        draft_tokens_out = torch.full((5, 2), 77, dtype=torch.int64)  # [max_num_reqs, k]
+        args = (*args, draft_tokens, draft_tokens_out, 2)
+        outputs = (*outputs, draft_tokens_out)
+    elif takes_drafts:
+        args = (*args, None, None, 0)
     return (4,), args, {"num_warps": 1}, outputs
 
 
-def gather_block_tables():
+def gather_block_tables(*, sliding_window: bool = False):
+    """vLLM 0.33's kernel can null the entries below a sliding window (0.32's cannot):
+    here group 0 has a window of 40 tokens over blocks of 4, group 1 none."""
+    kernel_name = _BLOCK_TABLE + "_gather_block_tables_kernel"
+    takes_window = _kernel_takes(kernel_name, "MASK_SLIDING_WINDOW")
+    if sliding_window and not takes_window:
+        raise NotInThisVllm("this vLLM's _gather_block_tables_kernel masks no window")
     sources = [torch.randint(1, 50, (6, 8), dtype=torch.int32) for _ in range(2)]
     inputs = [torch.full((6, 8), 77, dtype=torch.int32) for _ in range(2)]
     num_blocks = torch.tensor([[3, 8, 0, 1, 5, 2], [1, 2, 3, 4, 5, 6]], dtype=torch.int32)
@@ -117,9 +146,17 @@ def gather_block_tables():
         idx_mapping, _pointer_table(sources), _pointer_table(inputs),
         torch.tensor([8, 8]), num_blocks, num_blocks.stride(0), 3,
     )  # fmt: skip
+    kwargs = {"BLOCK_SIZE": 1024}
+    if takes_window:
+        # First scheduled positions by request state: below, inside and far past the window.
+        num_computed = torch.tensor([45, 30, 0, 0, 70, 0], dtype=torch.int32)
+        reach = torch.tensor([40, 0], dtype=torch.int32)
+        block_sizes = torch.tensor([4, 4], dtype=torch.int32)
+        args = (*args, num_computed, reach, block_sizes)
+        kwargs["MASK_SLIDING_WINDOW"] = sliding_window
     # Grid: 4 padded rows (3 requests); rows past the padded batch are not compared.
     # The tables behind the pointers are returned too: they must outlive the launch.
-    return (2, 4), args, {"BLOCK_SIZE": 1024}, (*(t[:4] for t in inputs), *sources)
+    return (2, 4), args, kwargs, (*(t[:4] for t in inputs), *sources)
 
 
 def slot_mappings():
@@ -416,7 +453,15 @@ CASES = {
         _INPUT_BATCH + "_get_num_sampled_and_rejected_kernel",
     ),
     "post_update": (post_update, _INPUT_BATCH + "_post_update_kernel"),
+    "post_update_with_drafts": (
+        functools.partial(post_update, drafts=True),
+        _INPUT_BATCH + "_post_update_kernel",
+    ),
     "gather_block_tables": (gather_block_tables, _BLOCK_TABLE + "_gather_block_tables_kernel"),
+    "gather_block_tables_sliding_window": (
+        functools.partial(gather_block_tables, sliding_window=True),
+        _BLOCK_TABLE + "_gather_block_tables_kernel",
+    ),
     "slot_mappings": (slot_mappings, _BLOCK_TABLE + "_compute_slot_mappings_kernel"),
     "apply_write": (apply_write, _APPLY_WRITE),
     "apply_write_multi_group": (apply_write_multi_group, _APPLY_WRITE),
@@ -470,6 +515,8 @@ def main() -> None:
     for case in sys.argv[1:] or CASES:
         try:
             results[case] = compare(case)
+        except NotInThisVllm as exc:
+            results[case] = f"skip: {exc}"
         except Exception as exc:
             results[case] = f"{type(exc).__name__}: {exc}"
     print("RESULT " + json.dumps(results), flush=True)

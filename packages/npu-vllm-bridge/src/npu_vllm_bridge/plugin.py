@@ -10,12 +10,15 @@ import importlib.util
 import logging
 import os
 
+from npu_vllm_bridge.vllm_version import installed_vllm_version, require_supported_vllm
+
 logger = logging.getLogger(__name__)
 
 DEVICE_ENV = "NPU_BRIDGE_DEVICE"
 NPU_PLATFORM = "npu_vllm_bridge.platforms.npu.NPUPlatform"
 HOST_PLATFORM = "npu_vllm_bridge.platforms.host.HostPlatform"
 UNKNOWN_MODE_PLATFORM = "npu_vllm_bridge.plugin.UnknownModePlatform"
+UNSUPPORTED_VLLM_PLATFORM = "npu_vllm_bridge.plugin.UnsupportedVllmPlatform"
 _MODES = ("auto", "cpu", "npu")
 _ALIASES = {"host": "cpu"}  # host mode runs on the CPU
 
@@ -47,6 +50,27 @@ class UnknownModePlatform:
     def __init__(self) -> None:
         mode = requested_mode()
         raise RuntimeError(f"{DEVICE_ENV} changed to {mode!r} while vLLM chose its platform")
+
+
+class UnsupportedVllmPlatform:
+    """What the plugin names instead of a bridge platform when the installed vLLM is
+    not a release the bridge runs on: creating it raises ``require_supported_vllm``'s
+    ``RuntimeError`` (the releases taken and the one found) at start-up."""
+
+    def __init__(self) -> None:
+        require_supported_vllm()
+        raise RuntimeError(
+            f"vLLM changed to {installed_vllm_version()} while it chose its platform"
+        )
+
+
+def _bridge_platform(path: str) -> str:
+    """``path``, or :data:`UNSUPPORTED_VLLM_PLATFORM` on a vLLM the bridge does not run on."""
+    try:
+        require_supported_vllm()
+    except RuntimeError:
+        return UNSUPPORTED_VLLM_PLATFORM
+    return path
 
 
 def npu_unavailable_reason() -> str | None:
@@ -92,17 +116,21 @@ def platform_plugin() -> str | None:
       ``RuntimeError`` naming the cause when no NPU is usable.
     - anything else: ``UnknownModePlatform``, whose creation raises a ``ValueError``
       naming the value.
+
+    Where it would name a bridge platform on a vLLM other than 0.32 or 0.33, it names
+    ``UnsupportedVllmPlatform``, whose creation raises a ``RuntimeError`` naming the
+    releases the bridge takes and the one installed.
     """
     try:
         mode = requested_mode()
     except ValueError:
         return UNKNOWN_MODE_PLATFORM
     if mode == "cpu":
-        return HOST_PLATFORM
+        return _bridge_platform(HOST_PLATFORM)
     if mode == "npu":
-        return NPU_PLATFORM
+        return _bridge_platform(NPU_PLATFORM)
     reason = npu_unavailable_reason()
     if reason is None:
-        return NPU_PLATFORM
+        return _bridge_platform(NPU_PLATFORM)
     logger.debug("no NPU platform (%s): vLLM picks its own", reason)
     return None

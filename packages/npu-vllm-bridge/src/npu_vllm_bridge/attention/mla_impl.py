@@ -87,9 +87,12 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         slot_mapping: torch.Tensor,
         kv_cache_dtype: str,
         k_scale: torch.Tensor,
+        skip_scale: bool = False,
     ) -> None:
         """Write the step's latents at the plan's slots (the same slots vLLM passes; under
-        PCP the rows of every rank, at the group's gathered slots)."""
+        PCP the rows of every rank, at the group's gathered slots). ``skip_scale``
+        (vLLM 0.33 passes it, 0.32 does not) concerns fp8 caches only, which this impl
+        refuses: the latents are written as they come."""
         if kv_cache.numel() == 0:
             return
         layer_name = self.layer_name()

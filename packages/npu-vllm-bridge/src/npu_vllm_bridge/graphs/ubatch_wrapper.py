@@ -28,9 +28,11 @@ vLLM's own hand-over points (``dbo_yield`` in the MoE kernels' asynchronous
 prepare/finalize, DeepEP's and NIXL's) are not used: the MoE kernels the bridge runs
 under data parallelism gather and reduce-scatter through the communicator. What vLLM
 keeps per micro-batch (a MoE layer's shared-expert output, held across the combine;
-workspaces) it indexes by ``dbo_current_ubatch_id()``, which reads vLLM's own
+workspaces) it indexes by ``dbo_current_ubatch_id()``, and what vLLM 0.33 writes per
+token of a micro-batch by ``dbo_current_ubatch_token_offset()``; both read vLLM's own
 micro-batch threads: :func:`install_micro_batch_ids` points the vLLM modules that
-imported it at :func:`micro_batch_id`, this wrapper's micro-batch index.
+imported them at :func:`micro_batch_id` and :func:`micro_batch_token_offset`, this
+wrapper's micro-batch index and first row.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class _SplitStep:
     contexts: list[ForwardContext]  # one per micro-batch
     names: tuple[str, ...]  # the split inputs' keyword names, in order
     other_kwargs: dict[str, Any]  # the rest, passed to every micro-batch as given
+    token_offsets: tuple[int, ...]  # each micro-batch's first row in the step's batch
     inference_mode: bool
     grad_enabled: bool
     num_threads: int
@@ -137,19 +140,45 @@ def micro_batch_id() -> int:
     return ubatching.dbo_current_ubatch_id()
 
 
-def install_micro_batch_ids() -> list[str]:
-    """Point every loaded vLLM module that imported ``dbo_current_ubatch_id`` by name at
-    :func:`micro_batch_id`; returns their names. Call after the model is loaded."""
+def micro_batch_token_offset() -> int:
+    """vLLM 0.33's ``dbo_current_ubatch_token_offset`` for the bridge's micro-batch
+    threads: the first row of this thread's micro-batch in the step's batch; elsewhere
+    what vLLM's own answers."""
+    running = getattr(_THREAD, "running", None)
+    if running is not None:
+        return running.step.token_offsets[running.ctx.index]
     from vllm.v1.worker import ubatching
 
-    original = ubatching.dbo_current_ubatch_id
+    return ubatching.dbo_current_ubatch_token_offset()
+
+
+# vLLM's micro-batch queries (those this vLLM has) -> the bridge's answers.
+_MICRO_BATCH_QUERIES = {
+    "dbo_current_ubatch_id": micro_batch_id,
+    "dbo_current_ubatch_token_offset": micro_batch_token_offset,  # vLLM 0.33
+}
+
+
+def install_micro_batch_ids() -> list[str]:
+    """Point every loaded vLLM module that imported ``dbo_current_ubatch_id`` (or
+    ``dbo_current_ubatch_token_offset``) by name at :func:`micro_batch_id` (or
+    :func:`micro_batch_token_offset`); returns the patched ``module.name``s. Call after
+    the model is loaded."""
+    from vllm.v1.worker import ubatching
+
+    originals = {
+        name: (getattr(ubatching, name), ours)
+        for name, ours in _MICRO_BATCH_QUERIES.items()
+        if hasattr(ubatching, name)
+    }
     patched = []
-    for name, module in list(sys.modules.items()):
-        if module is ubatching or not name.startswith("vllm."):
+    for module_name, module in list(sys.modules.items()):
+        if module is ubatching or not module_name.startswith("vllm."):
             continue
-        if getattr(module, "dbo_current_ubatch_id", None) is original:
-            module.dbo_current_ubatch_id = micro_batch_id
-            patched.append(name)
+        for name, (original, ours) in originals.items():
+            if getattr(module, name, None) is original:
+                setattr(module, name, ours)
+                patched.append(f"{module_name}.{name}")
     return patched
 
 
@@ -341,6 +370,7 @@ class BridgeUBatchWrapper(RunnableProxy):
             contexts=self._micro_batch_contexts(context, slices),
             names=names,
             other_kwargs=other,
+            token_offsets=tuple(int(piece.token_slice.start or 0) for piece in slices),
             inference_mode=torch.is_inference_mode_enabled(),
             grad_enabled=torch.is_grad_enabled(),
             num_threads=torch.get_num_threads(),

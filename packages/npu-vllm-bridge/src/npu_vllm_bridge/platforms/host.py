@@ -30,7 +30,8 @@ from npu_vllm_bridge.graphs.ubatch_config import hold_micro_batching
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 from npu_vllm_bridge.settings import PREFIX, BridgeSettings
-from npu_vllm_bridge.worker import host_triton
+from npu_vllm_bridge.vllm_version import require_supported_vllm
+from npu_vllm_bridge.worker import host_compiled_ops, host_triton
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,8 +42,12 @@ HOST_WORKER = "npu_vllm_bridge.worker.host.HostWorker"
 HOST_COMMUNICATOR = "npu_vllm_bridge.worker.host_communicator.HostCommunicator"
 OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
+require_supported_vllm()
 # Before vLLM checks for Triton: V2, when asked for, runs under Triton's interpreter.
 host_triton.interpret_triton_for_v2()
+# On a vLLM built without its compiled ops (the empty build): PyTorch versions of those
+# its CPU worker and sampler call.
+host_compiled_ops.register_missing()
 
 
 class HostPlatform(BridgePlatformMixin, CpuPlatform):
@@ -72,6 +77,7 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         super().check_and_update_config(vllm_config)  # empties the capture sizes
         _restore_mla_scheduling(vllm_config, mla_settings)
         mla_rotary_in_pytorch(vllm_config)
+        _avoid_missing_compiled_ops(vllm_config)
         if compilation.cudagraph_mode != CUDAGraphMode.NONE:
             compilation.cudagraph_capture_sizes = capture_sizes
             _host_graph_compilation(compilation, requested_mode)
@@ -178,6 +184,16 @@ def mla_rotary_in_pytorch(vllm_config: VllmConfig) -> None:
         f"{PREFIX} host mode: MLA rotary embedding in PyTorch (vLLM's CPU rotary kernel "
         "rotates MLA's 3-D queries wrongly)"
     )
+
+
+def _avoid_missing_compiled_ops(vllm_config: VllmConfig) -> None:
+    """On a vLLM without ``vllm._C``, vLLM's PyTorch paths of custom ops whose CPU path
+    calls a compiled op (``host_compiled_ops.avoid_missing_custom_ops``)."""
+    added = host_compiled_ops.avoid_missing_custom_ops(vllm_config.compilation_config.custom_ops)
+    if added:
+        logger.info(
+            f"{PREFIX} host mode: %s (this vLLM build has no compiled CPU ops)", ", ".join(added)
+        )
 
 
 def omp_threads_bind(cpus: list[int], ranks: int) -> str:

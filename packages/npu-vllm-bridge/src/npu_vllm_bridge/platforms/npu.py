@@ -19,7 +19,9 @@ from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 from npu_vllm_bridge.plugin import require_npu
 from npu_vllm_bridge.settings import PREFIX, BridgeSettings
+from npu_vllm_bridge.vllm_version import require_supported_vllm
 
+require_supported_vllm()
 require_npu()
 
 import torch_npu  # noqa: E402, F401  (registers torch.npu and the PrivateUse1 backend)

@@ -46,18 +46,36 @@ def compute_slot_mapping(
             KV_CACHE_BLOCK_SIZE,
         )
         return
-    bs, cp, interleave = KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE, CP_KV_CACHE_INTERLEAVE_SIZE
+    slots = scheduled_slots(
+        query_start_loc, positions, block_table, KV_CACHE_BLOCK_SIZE,
+        TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK, CP_KV_CACHE_INTERLEAVE_SIZE, PAD_ID,
+    )  # fmt: skip
+    slot_mapping[: slots.numel()] = slots
+    slot_mapping[slots.numel() : max_num_tokens] = PAD_ID
+
+
+def scheduled_slots(
+    query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]
+    positions: torch.Tensor,  # int64 [>= num_tokens]
+    block_table: torch.Tensor,  # int32 [max_num_reqs, max_num_blocks_per_req]
+    block_size: int,
+    cp_world_size: int = 1,
+    cp_rank: int = 0,
+    cp_interleave: int = 1,
+    pad_id: int = -1,
+) -> torch.Tensor:
+    """int64 ``[query_start_loc[-1]]``: each scheduled token's slot on this rank, where
+    a context-parallel group of ``cp_world_size`` ranks keeps runs of ``cp_interleave``
+    tokens round robin; ``pad_id`` for tokens another rank keeps."""
+    bs, cp, interleave = block_size, cp_world_size, cp_interleave
     counts = (query_start_loc[1:] - query_start_loc[:-1]).long()
     requests = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    scheduled = requests.numel()
-    pos = positions[:scheduled].long()
+    pos = positions[: requests.numel()].long()
     virtual_block, offset = pos // (bs * cp), pos % (bs * cp)
     local = offset // (cp * interleave) * interleave + offset % interleave
     blocks = block_table[requests, virtual_block].long()
-    is_local = offset // interleave % cp == TOTAL_CP_RANK
-    slots = torch.where(is_local, blocks * bs + local, torch.full_like(local, PAD_ID))
-    slot_mapping[:scheduled] = slots
-    slot_mapping[scheduled:max_num_tokens] = PAD_ID
+    is_local = offset // interleave % cp == cp_rank
+    return torch.where(is_local, blocks * bs + local, torch.full_like(local, pad_id))
 
 
 def register() -> None:

