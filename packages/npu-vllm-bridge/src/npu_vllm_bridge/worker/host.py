@@ -15,6 +15,7 @@ from npu_vllm_bridge.collectives import record_collectives_whole
 from npu_vllm_bridge.graphs.counters import write_counters_where_asked
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
+from npu_vllm_bridge.worker.host_moe import moe_layers_through_custom_op
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -38,6 +39,7 @@ class HostModelRunner(GraphRunnerMixin, CPUModelRunner):
             record_cpu_gemms_whole()
         super().load_model(*args, **kwargs)
         install_mla_dcp(self.vllm_config)
+        moe_layers_through_custom_op(self.vllm_config)
 
     def allocate_pipeline_inputs(self) -> None:
         """The buffers a later pipeline stage copies the previous stage's hidden states

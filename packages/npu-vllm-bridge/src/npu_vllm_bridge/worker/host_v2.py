@@ -20,11 +20,16 @@ from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.v2_draft_graphs import drafter_graph_bytes
 from npu_vllm_bridge.graphs.v2_runner import GraphManagerHook
 from npu_vllm_bridge.graphs.wrapper import graph_backend_name, live_wrappers
+from npu_vllm_bridge.worker.host_moe import moe_layers_through_custom_op
 from npu_vllm_bridge.worker.host_v2_kernels import register_pointer_tensors
 
 
 class HostModelRunnerV2(GraphManagerHook, CPUModelRunnerV2):
     """vLLM's V2 ``CPUModelRunner`` whose graphs are npu-graphs host graphs."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        moe_layers_through_custom_op(self.vllm_config)
 
     def warming_up_model(self) -> None:
         """A warm-up forward only with something to compile, as vLLM's V1 CPU runner
