@@ -20,7 +20,15 @@ holds), per call: the graph's launch floor shared by the calls.
 Gluon decode kernel (``hopper_decode``); ``portable_us`` is the same provider with
 ``hopper_decode`` off (the portable kernel), timed in the same run.
 
+With ``--kv-cache-dtype KIND`` (``fp8``, ``fp8_e4m3``, ``int8_per_token_head``,
+``fp8_per_token_head``) only the 8-bit cache is timed against the 16-bit cache, at
+16 x 16384 and 64 x 4096 (block sizes 16 and 128), in interleaved rounds of CUDA-graph
+replays: ``bf16_us`` is the provider as a user gets it (the Gluon decode on Hopper),
+``kind_us`` the same provider over 8-bit pages (the portable kernel, dequantizing in
+registers), ``speedup`` their ratio; both errors are against SDPA on the 16-bit K/V.
+
     python benchmarks/bench_decode_attention.py [--tune] [--quick] [--hopper]
+    python benchmarks/bench_decode_attention.py --kv-cache-dtype int8_per_token_head
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from _kernel_time import amortized_graph_us, profiled_kernel_us
 from _paged_batch import hand_plan, page_kv, permuted_block_tables
+from _quantized_pages import quantized_pages
 
 from npu_attention.providers.triton import TritonProvider
 from npu_attention.spec import AttentionSpec
@@ -44,6 +53,7 @@ CONTEXTS = (512, 4096, 16384)
 BLOCK_SIZES = (128, 16)
 KERNEL_TIME_MAX_BATCH = 16  # kernel-only times for batches up to this (5 copies of the data)
 KERNEL_TIME_PEERS = ("default", "cudnn")
+KV_DTYPE_SHAPES = ((16, 16384), (64, 4096))  # (batch, context) of --kv-cache-dtype
 
 
 class DecodeProblem:
@@ -104,6 +114,65 @@ class DecodeProblem:
             return out
 
         return run, plan
+
+
+def quantized_runner(problem: DecodeProblem, provider: TritonProvider, block_size: int, kind: str):
+    """``provider.attend`` over 8-bit pages of ``kind`` holding the problem's K/V."""
+    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE,
+                         kv_cache_dtype=kind)  # fmt: skip
+    block_tables = permuted_block_tables(
+        problem.batch, problem.context // block_size, problem.generator, problem.key.device
+    )
+    key_cache, value_cache, scales = quantized_pages(
+        problem.key, problem.value, block_size, block_tables, kind
+    )
+    plan = hand_plan(
+        spec, provider, [1] * problem.batch, [problem.context] * problem.batch, block_tables,
+        num_decodes=problem.batch,
+    )  # fmt: skip
+    out = torch.empty_like(problem.query)
+
+    def run() -> torch.Tensor:
+        provider.attend(problem.query, key_cache, value_cache, plan, out, scales=scales)
+        return out
+
+    bytes_read = sum(t.numel() * t.element_size() for t in (key_cache, value_cache, *scales))
+    return run, bytes_read
+
+
+def _captured(fn) -> torch.cuda.CUDAGraph:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def kv_cache_dtype_rows(device: torch.device, kind: str, rounds: int) -> list[dict[str, Any]]:
+    """The 16-bit and the ``kind`` cache at ``KV_DTYPE_SHAPES``, interleaved graph replays."""
+    provider = TritonProvider()
+    rows = []
+    for (batch, context), block_size in itertools.product(KV_DTYPE_SHAPES, BLOCK_SIZES):
+        problem = DecodeProblem(batch, context, device)
+        expected = problem.sdpa().float()
+        run16, _ = problem.paged_runner(provider, block_size)
+        run8, bytes8 = quantized_runner(problem, provider, block_size, kind)
+        errors = [(run().float() - expected).abs().max().item() for run in (run16, run8)]
+        graphs = {"bf16": _captured(run16), kind: _captured(run8)}
+        times = _timing.interleaved_median_ms({k: g.replay for k, g in graphs.items()}, rounds)
+        us16, us8 = times["bf16"][0] * 1e3, times[kind][0] * 1e3
+        rows.append({
+            "batch": batch, "context": context, "block": block_size, "bf16_us": us16,
+            "kind_us": us8, "speedup": us16 / us8,
+            "bf16_GB/s": problem.kv_bytes / (us16 * 1e-6) / 1e9,
+            "kind_GB/s": bytes8 / (us8 * 1e-6) / 1e9,
+            "spread_%": max(times["bf16"][1], times[kind][1]),
+            "bf16_err": errors[0], "kind_err": errors[1],
+        })  # fmt: skip
+        del problem, graphs
+        torch.cuda.empty_cache()
+    return rows
 
 
 def measure(
@@ -339,8 +408,21 @@ def main() -> None:
         default=",".join(HOPPER_VARIANTS),
         help="with --hopper: comma-separated names of HOPPER_VARIANTS (default: all)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        help="only this 8-bit cache kind against the 16-bit cache (see the module doc)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds (--kv-cache-dtype)"
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
+    if args.kv_cache_dtype:
+        rows = kv_cache_dtype_rows(device, args.kv_cache_dtype, args.rounds)
+        print(f"kv_cache_dtype={args.kv_cache_dtype} on {torch.cuda.get_device_name(device)}")
+        _timing.print_table(list(rows[0]), rows)
+        _timing.write_json(f"decode_{args.kv_cache_dtype}", {"rows": rows})
+        return
     if args.hopper:
         rows = hopper_sweep(device, args.variants.split(","))
         _timing.write_json("decode_hopper", {"rows": rows})

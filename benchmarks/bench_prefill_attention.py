@@ -20,7 +20,14 @@ interleaved rounds (a prefill runs the GPU near its power limit, and the clock i
 settles at differs from the first call's); ``spread_%`` is the largest spread of a
 row's calls over the rounds.
 
+With ``--kv-cache-dtype KIND`` only the 16-bit cache and the 8-bit cache of ``KIND``
+are timed, each as ``npu_attention.run`` runs a layer: the new tokens' K/V written
+into the pages (quantized for ``KIND``), then attention (``bf16_ms``, ``kind_ms``,
+``ratio`` = kind / bf16; a prefill without cached context attends over its own rows
+either way, a chunk after a prefix reads the pages).
+
     python benchmarks/bench_prefill_attention.py [--tune] [--rounds 3]
+    python benchmarks/bench_prefill_attention.py --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import _timing  # first: puts the packages' src on sys.path
 import torch
 import torch.nn.functional as F
 from _paged_batch import attention_flops, causal_pairs, hand_plan, page_kv, permuted_block_tables
+from _quantized_pages import quantized_pages
 from torch.nn.attention.bias import causal_lower_right
 
 from npu_attention.providers.triton import TritonProvider
@@ -113,6 +121,45 @@ class PrefillProblem:
 
         return run
 
+    def layer_runner(self, provider: TritonProvider, block_size: int, kind: str = "auto"):
+        """A layer as ``npu_attention.run`` runs it: the new rows written into the pages
+        (8-bit pages of ``kind`` unless ``auto``), then attention."""
+        spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE,
+                             kv_cache_dtype=kind)  # fmt: skip
+        pages = -(-self.seq_len // block_size)
+        block_tables = permuted_block_tables(self.batch, pages, self.generator, self.key.device)
+        padded = pages * block_size - self.seq_len
+        key, value = (F.pad(t, (0, 0, 0, padded)) for t in (self.key, self.value))
+        extra = {}
+        if kind == "auto":
+            key_cache = page_kv(key, block_size, block_tables)
+            value_cache = page_kv(value, block_size, block_tables)
+        else:
+            key_cache, value_cache, scales = quantized_pages(
+                key, value, block_size, block_tables, kind
+            )
+            extra["scales"] = scales
+        plan = hand_plan(
+            spec, provider, [self.query_len] * self.batch, [self.seq_len] * self.batch,
+            block_tables, num_decodes=0,
+        )  # fmt: skip
+        positions = torch.arange(self.seq_len - self.query_len, self.seq_len, device=key.device)
+        blocks = block_tables[:, positions // block_size].long()
+        plan.slot_mapping = (blocks * block_size + positions % block_size).reshape(-1)
+        query = self.query.transpose(1, 2).reshape(-1, HEADS, HEAD_SIZE).contiguous()
+        out = torch.empty_like(query)
+        rows = []
+        for dense in (self.key, self.value):
+            new = dense[:, :, self.seq_len - self.query_len :].transpose(1, 2)
+            rows.append(new.reshape(-1, KV_HEADS, HEAD_SIZE).contiguous())
+
+        def run() -> torch.Tensor:
+            provider.write_kv(rows[0], rows[1], key_cache, value_cache, plan, **extra)
+            provider.attend(query, key_cache, value_cache, plan, out, rows[0], rows[1], **extra)
+            return out
+
+        return run
+
     def as_sdpa_layout(self, out: torch.Tensor) -> torch.Tensor:
         return out.view(self.batch, self.query_len, HEADS, HEAD_SIZE).transpose(1, 2)
 
@@ -133,6 +180,34 @@ def checked_runner(
     expected = problem.sdpa_runner()().float()
     run.error = (problem.as_sdpa_layout(run()).float() - expected).abs().max().item()
     return run
+
+
+def kv_cache_dtype_rows(device: torch.device, kind: str, rounds: int) -> list[dict[str, Any]]:
+    """The 16-bit and the ``kind`` cache on every problem and block size, interleaved."""
+    provider = TritonProvider()
+    rows = []
+    for name, shape in PROBLEMS.items():
+        problem = PrefillProblem(*shape, device)
+        expected = problem.sdpa_runner()().float()
+        for block_size in (128, 16):
+            calls = {"bf16": problem.layer_runner(provider, block_size),
+                     kind: problem.layer_runner(provider, block_size, kind)}  # fmt: skip
+            errors = {
+                label: (problem.as_sdpa_layout(run()).float() - expected).abs().max().item()
+                for label, run in calls.items()
+            }
+            timed = _timing.interleaved_median_ms(calls, rounds)
+            ms16, ms8 = timed["bf16"][0], timed[kind][0]
+            rows.append({
+                "problem": name, "block": block_size, "bf16_ms": ms16, "kind_ms": ms8,
+                "ratio": ms8 / ms16, "bf16_TFLOP/s": problem.flops / (ms16 * 1e-3) / 1e12,
+                "kind_TFLOP/s": problem.flops / (ms8 * 1e-3) / 1e12,
+                "spread_%": max(timed["bf16"][1], timed[kind][1]),
+                "bf16_err": errors["bf16"], "kind_err": errors[kind],
+            })  # fmt: skip
+        del problem
+        torch.cuda.empty_cache()
+    return rows
 
 
 def tune(device: torch.device) -> dict[str, Any]:
@@ -185,8 +260,17 @@ def main() -> None:
     parser.add_argument(
         "--once", action="store_true", help="run the 8 x 2048 problem once (for a profiler)"
     )
+    parser.add_argument(
+        "--kv-cache-dtype", help="only this 8-bit cache kind against the 16-bit cache"
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
+    if args.kv_cache_dtype:
+        rows = kv_cache_dtype_rows(device, args.kv_cache_dtype, args.rounds)
+        print(f"kv_cache_dtype={args.kv_cache_dtype} on {torch.cuda.get_device_name(device)}")
+        _timing.print_table(list(rows[0]), rows)
+        _timing.write_json(f"prefill_{args.kv_cache_dtype}", {"rows": rows})
+        return
     if args.once:
         problem = PrefillProblem(*PROBLEMS["prefill"], device)
         problem.paged_runner(TritonProvider(), 128, own_keys=True)()

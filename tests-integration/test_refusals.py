@@ -24,9 +24,13 @@ def test_unsupported_head_size(tmp_path):
     assert "[32, 64, 80, 96, 112, 128, 160, 192, 224, 256]" in error
 
 
-def test_fp8_kv_cache(checkpoints, tmp_path):
-    error = _refusal(checkpoints["llama"], tmp_path, enforce_eager=True, kv_cache_dtype="fp8")
-    assert "kv_cache_dtype='fp8'" in error and "not supported" in error
+def test_kv_cache_kind_the_provider_lacks(checkpoints, tmp_path):
+    error = _refusal(checkpoints["llama"], tmp_path, enforce_eager=True, kv_cache_dtype="fp8_e5m2")
+    assert "kv_cache_dtype='fp8_e5m2'" in error and "'reference' attention provider" in error
+    assert (
+        "it takes kv_cache_dtype in ['auto', 'fp8', 'fp8_e4m3', 'int8_per_token_head', "
+        "'fp8_per_token_head']" in error
+    )
 
 
 def test_mla_widths_the_provider_cannot_take(tmp_path):
