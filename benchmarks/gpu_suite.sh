@@ -11,6 +11,9 @@
 #   bash benchmarks/gpu_suite.sh tests   # the `-m cuda` tests of npu-attention and npu-graphs
 #                                        # (four processes at once: 4 minutes on a fresh H100 machine)
 #   bash benchmarks/gpu_suite.sh final   # every benchmark at its defaults
+#   bash benchmarks/gpu_suite.sh kv8     # 8-bit KV caches: their `cuda` tests, then decode and
+#                                        # prefill of int8_per_token_head, fp8 and
+#                                        # fp8_per_token_head against the 16-bit cache
 #   bash benchmarks/gpu_suite.sh mla     # the MLA benchmarks: prefill, decode at 16 and 128
 #                                        # heads, 1 to 4 query tokens a request (FlashMLA beside
 #                                        # them where a `flash_mla` module is on PYTHONPATH)
@@ -82,8 +85,18 @@ case $mode in
         part mla_decode_128_spec 80 python benchmarks/bench_mla_decode.py --heads 128 \
             --tokens 1 2 3 4 --batches 64
         ;;
+    kv8)
+        part tests_kv8 180 python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5 \
+            packages/npu-attention/tests/test_triton_kv_quant.py
+        for kind in int8_per_token_head fp8 fp8_per_token_head; do
+            part "decode_$kind" 90 python benchmarks/bench_decode_attention.py --kv-cache-dtype "$kind"
+        done
+        for kind in int8_per_token_head fp8; do
+            part "prefill_$kind" 60 python benchmarks/bench_prefill_attention.py --kv-cache-dtype "$kind"
+        done
+        ;;
     *)
-        echo "usage: $0 sweep|tests|final|mla" >&2
+        echo "usage: $0 sweep|tests|final|mla|kv8" >&2
         exit 2
         ;;
 esac
