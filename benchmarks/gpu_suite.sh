@@ -86,10 +86,10 @@ case $mode in
             --tokens 1 2 3 4 --batches 64
         ;;
     kv8)
-        part tests_kv8 180 python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5 \
+        part tests_kv8 150 python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5 \
             packages/npu-attention/tests/test_triton_kv_quant.py
         for kind in int8_per_token_head fp8 fp8_per_token_head; do
-            part "decode_$kind" 90 python benchmarks/bench_decode_attention.py --kv-cache-dtype "$kind"
+            part "decode_$kind" 80 python benchmarks/bench_decode_attention.py --kv-cache-dtype "$kind"
         done
         for kind in int8_per_token_head fp8; do
             part "prefill_$kind" 60 python benchmarks/bench_prefill_attention.py --kv-cache-dtype "$kind"
