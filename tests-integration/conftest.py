@@ -22,7 +22,7 @@ from chat_prompts import (  # noqa: E402
     hf_chat_greedy,
 )
 from checkpoints import write_checkpoint  # noqa: E402
-from engines import REAL_MODEL_ENGINE, run_engine  # noqa: E402
+from engines import REAL_MODEL_ENGINE, VLLM_CPU_BACKENDS, run_engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -43,10 +43,15 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_chat(smollm2, tmp_path_factory) -> tuple[list[list[dict]], list[list[int]]]:
     """SmolLM2's chat round (prompt ids from its chat template) and the greedy answers of
-    transformers (float32, one prompt at a time), checked equal to vLLM CPU_ATTN's."""
+    transformers (float32, one prompt at a time), checked equal to vLLM CPU_ATTN's where
+    vLLM has it (not on an empty build)."""
     prompts = chat_prompt_ids(smollm2)
     rounds = [chat_round(prompts)]
     hf = hf_chat_greedy(smollm2, prompts, MAX_TOKENS, EOS_TOKEN_ID)
+    # Some answers end early, some run to the limit: the decode batch shrinks.
+    assert len({len(answer) for answer in hf}) > 1, hf
+    if not VLLM_CPU_BACKENDS:
+        return rounds, hf
     cpu_attn = run_engine(
         smollm2,
         rounds,
@@ -57,6 +62,4 @@ def smollm2_chat(smollm2, tmp_path_factory) -> tuple[list[list[dict]], list[list
     )
     assert cpu_attn["platform"] == "CpuPlatform", cpu_attn
     assert cpu_attn["tokens"] == [hf], "vLLM CPU_ATTN differs from transformers (reference check)"
-    # Some answers end early, some run to the limit: the decode batch shrinks.
-    assert len({len(answer) for answer in hf}) > 1, hf
     return rounds, hf

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +11,15 @@ from pathlib import Path
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
 TIMEOUT_S = 600
+
+# vLLM's own CPU platform and attention backends (CPU_ATTN, CPU_MLA), a reference beside
+# transformers, need its compiled CPU ops: a vLLM built empty (as on Ascend hosts) has
+# neither, and there transformers alone is the reference.
+VLLM_CPU_BACKENDS = importlib.util.find_spec("vllm._C") is not None
+NO_VLLM_CPU_BACKENDS = (
+    "this vLLM is built empty (no vllm._C): it has no CPU platform or CPU attention "
+    "backend of its own to compare with"
+)
 
 # Small KV pages and a small token budget: long prompts span many blocks and are
 # prefilled in chunks; prefix caching on; several requests per step.

@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from engines import run_engine
+from engines import VLLM_CPU_BACKENDS, run_engine
 
 WINDOW = 32
 
@@ -82,8 +82,9 @@ ROUNDS = _rounds()
 def gemma2(tmp_path_factory):
     path = _write_gemma2(tmp_path_factory.mktemp("gemma2") / "gemma2-tiny")
     hf = _hf_greedy(path, ROUNDS)
-    cpu_attn = run_engine(path, ROUNDS, bridge=False, tmp_path=tmp_path_factory.mktemp("cpu"))
-    assert cpu_attn["tokens"] == hf, "vLLM CPU_ATTN differs from transformers (reference check)"
+    if VLLM_CPU_BACKENDS:
+        cpu_attn = run_engine(path, ROUNDS, bridge=False, tmp_path=tmp_path_factory.mktemp("cpu"))
+        assert cpu_attn["tokens"] == hf, "vLLM CPU_ATTN differs from transformers (reference check)"
     return path, hf
 
 

@@ -28,7 +28,7 @@ import random
 
 import pytest
 from checkpoints import hf_greedy
-from engines import run_engine
+from engines import NO_VLLM_CPU_BACKENDS, VLLM_CPU_BACKENDS, run_engine
 from mla_checkpoints import CPU_MLA_SHAPE, write_mla_checkpoint
 
 BLOCK_SIZE = 16
@@ -109,6 +109,7 @@ def test_graphs_match_transformers(mla_model, tmp_path, mode):
         assert counters["piecewise_steps"] > 0, counters
 
 
+@pytest.mark.skipif(not VLLM_CPU_BACKENDS, reason=NO_VLLM_CPU_BACKENDS)
 def test_cpu_mla_shape_matches_vllm_cpu_mla_and_transformers(tmp_path_factory):
     """vLLM's own MLA backend (CPU_MLA, the plugin inactive) on the shape its decode
     kernel takes, against the bridge with FULL_DECODE_ONLY graphs."""

@@ -13,7 +13,7 @@ import random
 
 import pytest
 from checkpoints import write_checkpoint
-from engines import run_engine
+from engines import NO_VLLM_CPU_BACKENDS, VLLM_CPU_BACKENDS, run_engine
 
 WINDOW = 48
 
@@ -25,6 +25,10 @@ def _rounds() -> list[list[dict]]:
 
 
 ROUNDS = _rounds()
+
+
+# vLLM's CPU_ATTN is the only reference here.
+pytestmark = pytest.mark.skipif(not VLLM_CPU_BACKENDS, reason=NO_VLLM_CPU_BACKENDS)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ print("STATE " + json.dumps({
     "stand_in_visible": host_triton.ACTIVE_STAND_IN_BACKEND in triton.backends.backends,
     "torch_sees_triton": torch.utils._triton.has_triton(),
     "env_interpret": os.environ.get("TRITON_INTERPRET"),
+    "jit_warmup": getattr(VllmConfig().kernel_config, "enable_jit_warmup", None),
 }))
 """
 
@@ -101,6 +102,7 @@ def test_v2_in_host_mode_interprets_and_nothing_else_sees_the_stand_in() -> None
         "stand_in_visible": False,
         "torch_sees_triton": False,
         "env_interpret": None,  # the knob, not the environment
+        "jit_warmup": False,  # interpreted kernels: nothing to warm up
     }
 
 
@@ -132,3 +134,19 @@ def test_an_interpreted_kernel_inside_a_host_graph_capture_is_refused() -> None:
     assert refused, out
     assert "add_one was launched under Triton's interpreter" in refused[0]
     assert "register_kernels" in refused[0]
+
+
+@pytest.mark.parametrize("interpreting", [True, False])
+def test_kernel_warm_up_is_off_only_under_the_interpreter(monkeypatch, interpreting) -> None:
+    """vLLM 0.33's CPU worker warms V2's Triton kernels up when ``enable_jit_warmup``
+    (some launches fail under the interpreter); host mode turns it off when it
+    interprets them, and leaves it otherwise."""
+    from types import SimpleNamespace
+
+    from npu_vllm_bridge.worker import host_triton
+
+    monkeypatch.setattr(host_triton, "_interpreting", interpreting)
+    config = SimpleNamespace(kernel_config=SimpleNamespace(enable_jit_warmup=True))
+    assert host_triton.no_jit_warmup_when_interpreting(config) is interpreting
+    assert config.kernel_config.enable_jit_warmup is not interpreting
+    assert not host_triton.no_jit_warmup_when_interpreting(config)  # nothing left to do

@@ -78,6 +78,7 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         _restore_mla_scheduling(vllm_config, mla_settings)
         mla_rotary_in_pytorch(vllm_config)
         _avoid_missing_compiled_ops(vllm_config)
+        host_triton.no_jit_warmup_when_interpreting(vllm_config)
         if compilation.cudagraph_mode != CUDAGraphMode.NONE:
             compilation.cudagraph_capture_sizes = capture_sizes
             _host_graph_compilation(compilation, requested_mode)

@@ -21,6 +21,10 @@ vLLM's check:
   ``interpreter`` entry's driver is while the check runs. Nothing else sees them:
   torch's inductor takes a ``cpu`` entry for a Triton CPU backend and fails on the
   stand-in (``'_Drv' has no get_current_target``).
+* vLLM 0.33's CPU worker warms V2's Triton kernels up at start-up (``warmup_kernels``),
+  with launches Triton's interpreter refuses (``apply_grammar_bitmask``: "mask has
+  unsupported dtype"): :func:`no_jit_warmup_when_interpreting` turns it off
+  (``kernel_config.enable_jit_warmup``); interpreted kernels compile nothing to warm.
 * An interpreted kernel launched while an npu-graphs graph is being captured raises
   ``GraphCaptureError``: the interpreter writes through raw pointers, which a host
   graph (a recording of aten ops) cannot see, so the kernel would be silently
@@ -80,6 +84,21 @@ def interpret_triton_for_v2() -> bool:
     sys.meta_path.insert(0, _StandInWhileVllmChecks())
     _interpreting = True
     logger.info(f"{PREFIX} host mode: vLLM's Triton kernels run under Triton's interpreter")
+    return True
+
+
+def no_jit_warmup_when_interpreting(vllm_config: Any) -> bool:
+    """Turn vLLM's start-up warm-up of its Triton kernels off while they run under the
+    interpreter (vLLM 0.33's ``kernel_config.enable_jit_warmup``; 0.32 has none).
+    Returns whether it was on and is now off."""
+    kernel_config = getattr(vllm_config, "kernel_config", None)
+    if not _interpreting or not getattr(kernel_config, "enable_jit_warmup", False):
+        return False
+    kernel_config.enable_jit_warmup = False
+    logger.info(
+        f"{PREFIX} host mode: vLLM's Triton kernel warm-up off (kernel_config."
+        "enable_jit_warmup=False): its kernels run under Triton's interpreter"
+    )
     return True
 
 
