@@ -26,9 +26,12 @@ With ``--kv-cache-dtype KIND`` (``fp8``, ``fp8_e4m3``, ``int8_per_token_head``,
 replays: ``bf16_us`` is the provider as a user gets it (the Gluon decode on Hopper),
 ``kind_us`` the same provider over 8-bit pages (the portable kernel, dequantizing in
 registers), ``speedup`` their ratio; both errors are against SDPA on the 16-bit K/V.
+``--kv-variants`` times other settings of the 8-bit decode (``KV_DTYPE_VARIANTS``) in
+the same rounds.
 
     python benchmarks/bench_decode_attention.py [--tune] [--quick] [--hopper]
-    python benchmarks/bench_decode_attention.py --kv-cache-dtype int8_per_token_head
+    python benchmarks/bench_decode_attention.py --kv-cache-dtype int8_per_token_head \
+        [--kv-variants default,wide,split]
 """
 
 from __future__ import annotations
@@ -116,16 +119,39 @@ class DecodeProblem:
         return run, plan
 
 
-def quantized_runner(problem: DecodeProblem, provider: TritonProvider, block_size: int, kind: str):
-    """``provider.attend`` over 8-bit pages of ``kind`` holding the problem's K/V."""
-    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE,
-                         kv_cache_dtype=kind)  # fmt: skip
+# Settings of the provider's decodes over 8-bit pages timed by --kv-cache-dtype (its
+# TritonProvider attributes); "default" keeps the 16-bit settings.
+_WIDE = {"block_n": 128, "num_warps": 4, "num_stages": 2, "pdl": 1, "prefetch_tiles": 1}
+_WIDE_ONE_WAVE = {"block_n": 256, "num_warps": 8, "num_stages": 2, "pdl": 1, "prefetch_tiles": 1}
+KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "wide": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE},
+    "split": {"min_unsplit_fill_8bit": 8.0},
+    "wide_split": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE,
+                   "min_unsplit_fill_8bit": 8.0},
+    "wide_split4": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE,
+                    "min_unsplit_fill_8bit": 8.0, "target_waves_8bit": 4},
+}  # fmt: skip
+
+
+def quantized_pages_of(problem: DecodeProblem, block_size: int, kind: str):
+    """The problem's K/V as 8-bit pages of ``kind``: ``(block_tables, key_cache,
+    value_cache, scales, bytes)``."""
     block_tables = permuted_block_tables(
         problem.batch, problem.context // block_size, problem.generator, problem.key.device
     )
     key_cache, value_cache, scales = quantized_pages(
         problem.key, problem.value, block_size, block_tables, kind
     )
+    nbytes = sum(t.numel() * t.element_size() for t in (key_cache, value_cache, *scales))
+    return block_tables, key_cache, value_cache, scales, nbytes
+
+
+def quantized_runner(problem: DecodeProblem, provider: TritonProvider, pages, kind: str):
+    """``provider.attend`` over ``pages`` (``quantized_pages_of``)."""
+    block_tables, key_cache, value_cache, scales, _ = pages
+    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=key_cache.shape[1], dtype=DTYPE,
+                         kv_cache_dtype=kind)  # fmt: skip
     plan = hand_plan(
         spec, provider, [1] * problem.batch, [problem.context] * problem.batch, block_tables,
         num_decodes=problem.batch,
@@ -136,8 +162,7 @@ def quantized_runner(problem: DecodeProblem, provider: TritonProvider, block_siz
         provider.attend(problem.query, key_cache, value_cache, plan, out, scales=scales)
         return out
 
-    bytes_read = sum(t.numel() * t.element_size() for t in (key_cache, value_cache, *scales))
-    return run, bytes_read
+    return run, plan
 
 
 def _captured(fn) -> torch.cuda.CUDAGraph:
@@ -149,28 +174,39 @@ def _captured(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def kv_cache_dtype_rows(device: torch.device, kind: str, rounds: int) -> list[dict[str, Any]]:
-    """The 16-bit and the ``kind`` cache at ``KV_DTYPE_SHAPES``, interleaved graph replays."""
-    provider = TritonProvider()
+def kv_cache_dtype_rows(
+    device: torch.device, kind: str, rounds: int, variants: list[str]
+) -> list[dict[str, Any]]:
+    """The 16-bit cache and the ``kind`` cache under each of ``variants``
+    (``KV_DTYPE_VARIANTS``) at ``KV_DTYPE_SHAPES``, interleaved graph replays."""
     rows = []
     for (batch, context), block_size in itertools.product(KV_DTYPE_SHAPES, BLOCK_SIZES):
         problem = DecodeProblem(batch, context, device)
         expected = problem.sdpa().float()
-        run16, _ = problem.paged_runner(provider, block_size)
-        run8, bytes8 = quantized_runner(problem, provider, block_size, kind)
-        errors = [(run().float() - expected).abs().max().item() for run in (run16, run8)]
-        graphs = {"bf16": _captured(run16), kind: _captured(run8)}
+        run16, _ = problem.paged_runner(TritonProvider(), block_size)
+        pages = quantized_pages_of(problem, block_size, kind)
+        runs, splits = {"bf16": run16}, {}
+        for name in variants:
+            provider = TritonProvider()
+            for attribute, value in KV_DTYPE_VARIANTS[name].items():
+                setattr(provider, attribute, value)
+            runs[name], plan = quantized_runner(problem, provider, pages, kind)
+            splits[name] = plan.provider_data.num_kv_splits
+        errors = {name: (run().float() - expected).abs().max().item() for name, run in runs.items()}
+        graphs = {name: _captured(run) for name, run in runs.items()}
         times = _timing.interleaved_median_ms({k: g.replay for k, g in graphs.items()}, rounds)
-        us16, us8 = times["bf16"][0] * 1e3, times[kind][0] * 1e3
-        rows.append({
-            "batch": batch, "context": context, "block": block_size, "bf16_us": us16,
-            "kind_us": us8, "speedup": us16 / us8,
-            "bf16_GB/s": problem.kv_bytes / (us16 * 1e-6) / 1e9,
-            "kind_GB/s": bytes8 / (us8 * 1e-6) / 1e9,
-            "spread_%": max(times["bf16"][1], times[kind][1]),
-            "bf16_err": errors[0], "kind_err": errors[1],
-        })  # fmt: skip
-        del problem, graphs
+        us16 = times["bf16"][0] * 1e3
+        for name in variants:
+            us = times[name][0] * 1e3
+            rows.append({
+                "batch": batch, "context": context, "block": block_size, "variant": name,
+                "splits": splits[name], "bf16_us": us16, "kind_us": us, "speedup": us16 / us,
+                "bf16_GB/s": problem.kv_bytes / (us16 * 1e-6) / 1e9,
+                "kind_GB/s": pages[4] / (us * 1e-6) / 1e9,
+                "spread_%": max(times["bf16"][1], times[name][1]),
+                "bf16_err": errors["bf16"], "kind_err": errors[name],
+            })  # fmt: skip
+        del problem, graphs, runs, pages
         torch.cuda.empty_cache()
     return rows
 
@@ -415,10 +451,16 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="interleaved rounds (--kv-cache-dtype)"
     )
+    parser.add_argument(
+        "--kv-variants",
+        default="default",
+        help="with --kv-cache-dtype: comma-separated names of KV_DTYPE_VARIANTS",
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
     if args.kv_cache_dtype:
-        rows = kv_cache_dtype_rows(device, args.kv_cache_dtype, args.rounds)
+        variants = args.kv_variants.split(",")
+        rows = kv_cache_dtype_rows(device, args.kv_cache_dtype, args.rounds, variants)
         print(f"kv_cache_dtype={args.kv_cache_dtype} on {torch.cuda.get_device_name(device)}")
         _timing.print_table(list(rows[0]), rows)
         _timing.write_json(f"decode_{args.kv_cache_dtype}", {"rows": rows})

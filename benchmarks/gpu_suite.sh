@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_suite.sh kv8     # 8-bit KV caches: their `cuda` tests, then decode and
 #                                        # prefill of int8_per_token_head, fp8 and
 #                                        # fp8_per_token_head against the 16-bit cache
+#                                        # (KV8_PARTS, KV8_VARIANTS: a subset, decode settings)
 #   bash benchmarks/gpu_suite.sh mla     # the MLA benchmarks: prefill, decode at 16 and 128
 #                                        # heads, 1 to 4 query tokens a request (FlashMLA beside
 #                                        # them where a `flash_mla` module is on PYTHONPATH)
@@ -85,15 +86,23 @@ case $mode in
         part mla_decode_128_spec 80 python benchmarks/bench_mla_decode.py --heads 128 \
             --tokens 1 2 3 4 --batches 64
         ;;
-    kv8)
-        part tests_kv8 150 python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5 \
-            packages/npu-attention/tests/test_triton_kv_quant.py
-        for kind in int8_per_token_head fp8 fp8_per_token_head; do
-            part "decode_$kind" 80 python benchmarks/bench_decode_attention.py --kv-cache-dtype "$kind"
-        done
-        for kind in int8_per_token_head fp8; do
-            part "prefill_$kind" 60 python benchmarks/bench_prefill_attention.py --kv-cache-dtype "$kind"
-        done
+    kv8)  # KV8_PARTS: which of tests, decode, prefill (default: all three)
+        parts=${KV8_PARTS:-tests decode prefill}
+        if [[ $parts == *tests* ]]; then
+            part tests_kv8 150 python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5 \
+                packages/npu-attention/tests/test_triton_kv_quant.py
+        fi
+        if [[ $parts == *decode* ]]; then
+            for kind in int8_per_token_head fp8 fp8_per_token_head; do
+                part "decode_$kind" 80 python benchmarks/bench_decode_attention.py \
+                    --kv-cache-dtype "$kind" --rounds 2 ${KV8_VARIANTS:+--kv-variants "$KV8_VARIANTS"}
+            done
+        fi
+        if [[ $parts == *prefill* ]]; then
+            for kind in int8_per_token_head fp8; do
+                part "prefill_$kind" 60 python benchmarks/bench_prefill_attention.py --kv-cache-dtype "$kind"
+            done
+        fi
         ;;
     *)
         echo "usage: $0 sweep|tests|final|mla|kv8" >&2

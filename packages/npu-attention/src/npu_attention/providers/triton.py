@@ -81,6 +81,9 @@ class TritonProvider(AttentionProvider):
         hopper_prefill, hopper_prefill_stages, hopper_decode, hopper_decode_launch,
             hopper_decode_long_keys, hopper_decode_launch_long: the Gluon kernels for
             Hopper GPUs, each on or off, and their settings.
+        decode_launch_8bit, decode_launch_one_wave_8bit, min_unsplit_fill_8bit,
+            target_waves_8bit: what decodes over 8-bit pages use instead (``None``: the
+            16-bit setting).
     """
 
     name: ClassVar[str] = "triton"
@@ -155,6 +158,11 @@ class TritonProvider(AttentionProvider):
             **self.hopper_decode_launch,
             "block_n": 128,
         }
+        # Decodes over 8-bit pages (the portable kernel): None keeps the 16-bit setting.
+        self.decode_launch_8bit: dict[str, int] | None = None
+        self.decode_launch_one_wave_8bit: dict[str, int] | None = None
+        self.min_unsplit_fill_8bit: float | None = None
+        self.target_waves_8bit: int | None = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -175,8 +183,9 @@ class TritonProvider(AttentionProvider):
         if decode_tiles:
             gluon = self._hopper_decode_takes(plan.spec, plan.num_reqs, plan.device)
             num_kv_splits = self._num_kv_splits(
-                plan.num_reqs, plan.spec.num_kv_heads, plan.max_seq_len, plan.device, gluon
-            )
+                plan.num_reqs, plan.spec.num_kv_heads, plan.max_seq_len, plan.device, gluon,
+                eight_bit=plan.spec.kv_cache_dtype != "auto",
+            )  # fmt: skip
             programs = plan.num_reqs * plan.spec.num_kv_heads * num_kv_splits
             one_wave = programs <= _multiprocessors(plan.device)
             share = -(-plan.max_seq_len // num_kv_splits)
@@ -388,10 +397,14 @@ class TritonProvider(AttentionProvider):
                 launch = self.prefill_launch_small_pages
         elif one_wave:
             launch = self.decode_launch_one_wave
+            if spec.kv_cache_dtype != "auto" and self.decode_launch_one_wave_8bit is not None:
+                launch = self.decode_launch_one_wave_8bit
         else:
             launch = self.decode_launch
             if spec.block_size % launch["block_n"]:
                 launch = self.decode_launch_small_pages
+            if spec.kv_cache_dtype != "auto" and self.decode_launch_8bit is not None:
+                launch = self.decode_launch_8bit
         return _launch_config(spec, decode_tiles, num_kv_splits, tuple(sorted(launch.items())))
 
     def _num_kv_splits(
@@ -401,6 +414,8 @@ class TritonProvider(AttentionProvider):
         max_seq_len: int,
         device: torch.device,
         one_wave: bool = False,
+        *,
+        eight_bit: bool = False,
     ) -> int:
         """Programs along each decode request's keys: none when the requests' programs
         already fill ``min_unsplit_fill`` of the multiprocessors, else enough for
@@ -408,12 +423,18 @@ class TritonProvider(AttentionProvider):
         per multiprocessor), in shares of at least ``min_tokens_per_split`` keys."""
         programs = max(1, num_reqs * num_kv_heads)
         multiprocessors = _multiprocessors(device)
-        if programs >= self.min_unsplit_fill * multiprocessors:
+        min_fill, waves = self.min_unsplit_fill, self.target_waves
+        if eight_bit:
+            min_fill = (
+                min_fill if self.min_unsplit_fill_8bit is None else self.min_unsplit_fill_8bit
+            )
+            waves = waves if self.target_waves_8bit is None else self.target_waves_8bit
+        if programs >= min_fill * multiprocessors:
             return 1
         if one_wave:
             by_occupancy = multiprocessors // programs
         else:
-            by_occupancy = -(-self.target_waves * multiprocessors // programs)
+            by_occupancy = -(-waves * multiprocessors // programs)
         by_length = -(-max_seq_len // self.min_tokens_per_split)
         return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
 
@@ -450,9 +471,10 @@ def _launch_config(
     # Keep the Q tile and the pipelined K/V tiles within the shared memory of a multiprocessor.
     head_pad = 1 << (spec.head_size - 1).bit_length()
     element = torch.finfo(spec.dtype).bits // 8
+    kv_element = spec.cache_dtype.itemsize  # the pipelined K/V tiles: 1 byte for 8-bit pages
 
     def shared_bytes() -> int:
-        return (num_stages * 2 * block_n + block_m) * head_pad * element
+        return (num_stages * 2 * block_n * kv_element + block_m * element) * head_pad
 
     while shared_bytes() > _SHARED_MEMORY_BUDGET and block_n > 16:
         block_n //= 2
