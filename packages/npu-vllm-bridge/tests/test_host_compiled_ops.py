@@ -138,3 +138,16 @@ def test_rotary_kernel_is_avoided_only_without_vllm_c() -> None:
     assert added == ([] if COMPILED else ["-rotary_embedding"]) and custom_ops == added
     chosen = ["+rotary_embedding"]
     assert ops.avoid_missing_custom_ops(chosen) == [] and chosen == ["+rotary_embedding"]
+
+
+def test_v1_speculation_is_refused_only_without_vllm_c() -> None:
+    from types import SimpleNamespace
+
+    speculating = SimpleNamespace(speculative_config=SimpleNamespace(method="eagle"))
+    ops.refuse_v1_speculation(speculating, v2=True)  # V2 runs it on any build
+    ops.refuse_v1_speculation(SimpleNamespace(speculative_config=None), v2=False)
+    if COMPILED:
+        ops.refuse_v1_speculation(speculating, v2=False)
+        return
+    with pytest.raises(ValueError, match=r"Model Runner V2 only .*\('eagle'\) on the V1 runner"):
+        ops.refuse_v1_speculation(speculating, v2=False)

@@ -20,6 +20,12 @@ with custom ops on); :func:`avoid_missing_custom_ops` has vLLM use its PyTorch r
 embedding. vLLM's own CPU attention backends are not among them: an empty build has
 no CPU platform of its own, so they cannot be selected.
 
+Not covered: the CPU versions of V1's speculative-decoding kernels (rejection sampling,
+EAGLE's input preparation), which vLLM's CPU platform takes from ``vllm._C`` too;
+:func:`refuse_v1_speculation` stops such a run at start-up. Model Runner V2 runs
+speculative decoding on an empty build (its kernels run as PyTorch versions or under
+Triton's interpreter, ``host_v2_kernels.py``).
+
 Where ``vllm._C`` exists nothing here acts.
 """
 
@@ -31,6 +37,7 @@ from typing import Any
 
 import torch
 
+from npu_vllm_bridge.settings import PREFIX
 from npu_vllm_bridge.worker.host_slot_mapping import scheduled_slots
 
 NAMESPACE = "_C"
@@ -131,3 +138,18 @@ def avoid_missing_custom_ops(custom_ops: list[str]) -> list[str]:
         return []
     custom_ops.append(f"-{ROTARY_OP}")
     return [f"-{ROTARY_OP}"]
+
+
+def refuse_v1_speculation(vllm_config: Any, v2: bool) -> None:
+    """Raise ``ValueError`` for speculative decoding on V1 (``v2`` false) without
+    ``vllm._C``: vLLM's CPU platform runs V1's rejection sampler and EAGLE input kernels
+    as compiled ops, which an empty build lacks."""
+    if v2 or compiled_ops_present() or vllm_config.speculative_config is None:
+        return
+    raise ValueError(
+        f"{PREFIX} host mode on a vLLM built without its compiled ops (no vllm._C, as the "
+        "empty build) runs speculative decoding on Model Runner V2 only "
+        "(VLLM_USE_V2_MODEL_RUNNER=1): V1's rejection sampler and EAGLE input kernels "
+        "on CPU are vllm._C ops; got speculative decoding "
+        f"({vllm_config.speculative_config.method!r}) on the V1 runner"
+    )
