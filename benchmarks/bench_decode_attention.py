@@ -123,11 +123,15 @@ class DecodeProblem:
 # TritonProvider attributes); "default" keeps the 16-bit settings.
 _WIDE = {"block_n": 128, "num_warps": 4, "num_stages": 2, "pdl": 1, "prefetch_tiles": 1}
 _WIDE_ONE_WAVE = {"block_n": 256, "num_warps": 8, "num_stages": 2, "pdl": 1, "prefetch_tiles": 1}
+_DEEP = {"block_n": 128, "num_warps": 4, "num_stages": 4, "pdl": 1, "prefetch_tiles": 1}
 KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "wide": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE},
     "split": {"min_unsplit_fill_8bit": 8.0},
     "wide_split": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE,
+                   "min_unsplit_fill_8bit": 8.0},
+    "deep": {"decode_launch_8bit": _DEEP, "decode_launch_one_wave_8bit": _DEEP},
+    "deep_split": {"decode_launch_8bit": _DEEP, "decode_launch_one_wave_8bit": _DEEP,
                    "min_unsplit_fill_8bit": 8.0},
     "wide_split4": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE,
                     "min_unsplit_fill_8bit": 8.0, "target_waves_8bit": 4},
