@@ -1,7 +1,7 @@
 """The warpgroup-MMA MLA decode (``hopper_mla_wide_decode``, Gluon) of the ``triton`` provider.
 
-Steps whose decode programs fill more than 32 rows of heads x query tokens (128 heads;
-16 heads with 3 or 4 query tokens), from ``hopper_wide_min_decodes`` decodes, take this
+Steps whose requests have more than 32 rows of heads x query tokens (128 heads; 16
+heads with 3 or 4 query tokens), from ``hopper_wide_min_decodes`` decodes, take this
 kernel on a GPU of compute capability 9.x with Triton 3.6; the rest keep the
 ``mma.sync`` kernel (``test_triton_hopper_mla_decode.py``). The ``cuda`` cases run it
 on a Hopper GPU against the float64 MLA oracle of ``mla_cases`` at the provider's
@@ -88,11 +88,23 @@ def test_devices_other_than_a_hopper_gpu_have_no_wide_kernel() -> None:
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "tokens", "heads"),
-    [(128, 1, 64), (128, 2, 32), (128, 3, 16), (128, 4, 16), (16, 3, 16), (16, 4, 16)],
+    ("num_heads", "tokens", "rows", "programs"),
+    [
+        (128, 1, 64, 2),
+        (128, 2, 64, 4),
+        (128, 3, 64, 6),  # 384 rows: six full programs
+        (128, 4, 64, 8),
+        (16, 3, 48, 1),
+        (16, 4, 64, 1),
+        (20, 2, 40, 1),
+        (100, 1, 64, 2),  # 64 + 36 rows
+    ],
 )
-def test_program_heads_fill_64_rows(num_heads: int, tokens: int, heads: int) -> None:
-    assert wide.program_heads(num_heads, tokens) == heads
+def test_programs_take_64_rows_of_heads_x_tokens(
+    num_heads: int, tokens: int, rows: int, programs: int
+) -> None:
+    assert wide.program_rows(num_heads, tokens) == rows
+    assert wide.programs_per_request(num_heads, tokens) == programs
     assert wide.shape_supported(512, 64, torch.bfloat16, 64, num_heads, tokens)
 
 
@@ -100,7 +112,7 @@ def test_shapes_the_wide_kernel_refuses() -> None:
     assert wide.shape_supported(512, 64, torch.float16, 8, 128, 1)
     assert not wide.shape_supported(512, 64, torch.bfloat16, 64, 16, 1)  # 16 rows
     assert not wide.shape_supported(512, 64, torch.bfloat16, 64, 16, 2)  # 32 rows
-    assert not wide.shape_supported(512, 64, torch.bfloat16, 64, 20, 1)  # 20 of 32 rows
+    assert not wide.shape_supported(512, 64, torch.bfloat16, 64, 20, 1)  # 20 rows
     assert not wide.shape_supported(256, 64, torch.bfloat16, 64, 128, 1)  # latent
     assert not wide.shape_supported(512, 32, torch.bfloat16, 64, 128, 1)  # rope
     assert not wide.shape_supported(512, 64, torch.float32, 64, 128, 1)  # dtype
@@ -115,10 +127,10 @@ def test_shapes_the_wide_kernel_refuses() -> None:
         (128, 0, 64, HopperMLALaunch(64, 64, 2, wide=True)),
         (128, 0, 256, HopperMLALaunch(64, 64, 2, wide=True)),
         (128, 0, 2, HopperMLALaunch(64, 64, 2, wide=True)),
-        (128, 1, 64, HopperMLALaunch(32, 64, 2, wide=True)),
-        (128, 3, 64, HopperMLALaunch(16, 64, 2, wide=True)),
-        (16, 2, 64, HopperMLALaunch(16, 64, 2, wide=True)),  # 48 of 64 rows
-        (16, 3, 64, HopperMLALaunch(16, 64, 2, wide=True)),
+        (128, 1, 64, HopperMLALaunch(64, 64, 2, wide=True)),
+        (128, 3, 64, HopperMLALaunch(64, 64, 2, wide=True)),
+        (16, 2, 64, HopperMLALaunch(48, 64, 2, wide=True)),  # 48 rows
+        (16, 3, 64, HopperMLALaunch(64, 64, 2, wide=True)),
         (16, 0, 64, HopperMLALaunch(16, 64, 2)),  # 16 rows: mma.sync
         (16, 1, 64, HopperMLALaunch(16, 64, 2)),  # 32 rows: mma.sync
         (128, 0, 1, HopperMLALaunch(16, 64, 2)),  # one request: mma.sync, 8 programs
@@ -150,6 +162,7 @@ def test_switch_and_smallest_batch_keep_the_mma_sync_kernel(pretend_hopper) -> N
         (0, 16, 4),  # 32 programs: 4 splits fill 128 of 132
         (0, 2, 32),  # 4 programs
         (3, 16, 1),  # 8 programs a request: 128
+        (2, 16, 4),  # 6 programs a request: 96 (0.73 of a wave), 4 splits 384 (0.97 of 3)
         (1, 8, 4),  # 4 programs a request: 32, then 128
     ],
 )
@@ -188,6 +201,8 @@ WIDE_CASES = {
     "spec_4_tokens": (128, 3, 64, [1, 60, 61, 3000]),
     "heads_16_spec_3_tokens": (16, 2, 16, [0, 13, 14, 15, 16, 800]),
     "heads_16_spec_4_tokens": (16, 3, 64, [0, 60, 61, 62, 63, 1200]),
+    "heads_20_spec_2_tokens": (20, 1, 16, [0, 15, 16, 300]),  # 40 rows, one program
+    "heads_100": (100, 0, 32, [1, 31, 32, 33, 900]),  # 64 + 36 rows
 }
 
 

@@ -5,13 +5,13 @@ on GPUs of compute capability 9.x with Triton 3.6, DeepSeek's widths (latent 512
 rope 64) go to a Gluon kernel; everything else (other widths, float32, other GPUs and
 Triton versions, triton-ascend) to the portable kernel of ``mla_decode.py``. Of the
 two Gluon kernels, ``hopper_mla_wide_decode.py`` (warpgroup MMAs, 64 query rows a
-program) takes steps whose programs fill more than 32 rows of heads x query tokens
+program) takes steps whose requests have more than 32 rows of heads x query tokens
 (128 heads; 16 heads with 3 or 4 query tokens) when they have at least
 ``hopper_wide_min_decodes`` decodes; the rest (16 heads of one or two tokens, single
 requests) go to ``hopper_mla_decode.py`` (``mma.sync``, 16 to 64 rows, fewer heads a
-program for small batches), which is faster there. ``write_cache`` and ``decode`` only launch kernels that
-read the step from the plan's device tensors, so both can be captured in a device
-graph and replayed after the plan's fixed buffers are refreshed.
+program for small batches), which is faster there. ``write_cache`` and ``decode`` only
+launch kernels that read the step from the plan's device tensors, so both can be
+captured in a device graph and replayed after the plan's fixed buffers are refreshed.
 
 Prefill (non-absorbed, MHA over 192-wide keys and 128-wide values at DeepSeek's
 widths) decompresses the prefill requests' keys and values with the caller's
@@ -57,7 +57,8 @@ _MAX_KV_SPLITS = 64
 class HopperMLALaunch:
     """The Gluon decode's launch: ``heads`` query heads a program at most, ``block_n``
     keys a tile, ``stages`` tiles in flight; ``wide``: the warpgroup-MMA kernel of
-    ``hopper_mla_wide_decode.py`` (else ``hopper_mla_decode.py``)."""
+    ``hopper_mla_wide_decode.py`` (else ``hopper_mla_decode.py``), whose programs take
+    ``heads`` query rows of a request's heads x tokens instead."""
 
     heads: int
     block_n: int
@@ -314,7 +315,7 @@ class TritonMLAProvider(ReferenceMLAProvider):
     def _wide_launch(self, plan: AttentionPlan) -> HopperMLALaunch | None:
         """The warpgroup-MMA decode's launch where it takes the plan's decodes: its
         switch on, at least ``hopper_wide_min_decodes`` decodes, and a shape it takes
-        (programs of 33 to 64 rows of heads x query tokens); else ``None``."""
+        (more than 32 rows of heads x query tokens a request); else ``None``."""
         spec = plan.spec
         if not self.hopper_wide_decode or plan.num_decodes < self.hopper_wide_min_decodes:
             return None
@@ -329,8 +330,8 @@ class TritonMLAProvider(ReferenceMLAProvider):
             tokens,
         ):
             return None
-        heads = wide.program_heads(spec.num_heads, tokens)
-        return HopperMLALaunch(heads, wide.BLOCK_N, wide.STAGES, wide=True)
+        rows = wide.program_rows(spec.num_heads, tokens)
+        return HopperMLALaunch(rows, wide.BLOCK_N, wide.STAGES, wide=True)
 
     def _hopper_heads(self, plan: AttentionPlan, program_rows) -> int:
         """Query heads a Gluon program takes: as many as fit its rows, halved (down to
@@ -451,7 +452,8 @@ class TritonMLAProvider(ReferenceMLAProvider):
             return self.fixed_kv_splits
         from npu_attention.providers.triton_kernels.utils import multiprocessor_count
 
-        programs = plan.num_decodes * -(-plan.spec.num_heads // launch.heads)
+        rows = plan.spec.num_heads * (1 + plan.spec.num_speculative_tokens if launch.wide else 1)
+        programs = plan.num_decodes * -(-rows // launch.heads)
         slots = multiprocessor_count(plan.device)
 
         def fill(splits: int) -> Fraction:
