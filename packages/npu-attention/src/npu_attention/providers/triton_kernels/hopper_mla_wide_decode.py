@@ -12,10 +12,14 @@ products with asynchronous warpgroup MMAs (``wgmma``) from shared memory:
   stages, one ahead of the tile in use;
 - the query rows stay in shared memory for the whole program; the latent tile is read
   there by both ``Q @ K^T`` and ``P @ V`` (V: its first 512 columns);
-- two consumer warpgroups (FlashMLA's "seesaw" order): each owns 256 of the 512
-  output columns; the first computes the scores of even tiles, the second of odd
-  tiles, and they hand each other the probabilities, the running max and the rescale
-  factors through shared memory;
+- two consumer warpgroups split the work by columns: each computes the scores of 32 of
+  the tile's 64 keys over the whole 576-wide row (the row maxima and sums are reduced
+  across both) and accumulates 256 of the 512 output columns (128 float32 registers a
+  thread), ``P`` staying in registers as the A operand of the second product
+  (gathered from both warpgroups' halves);
+- each tile's scores are issued right behind the previous tile's ``P @ V``, whose
+  stage goes back to the loader as soon as that product is done, so that the next
+  tile's fetch has most of a tile's work to arrive in;
 - a request's keys are split over programs to fill the multiprocessors, and the merge
   kernel of ``mla_decode.py`` combines the splits by their log-sum-exps.
 
@@ -179,8 +183,7 @@ def hopper_mla_wide_decode(
         RING=STAGES,
         q_layout=nvmma_shared_layout(BLOCK_M, LATENT, dtype),
         qr_layout=nvmma_shared_layout(BLOCK_M, ROPE, dtype),
-        p_layout=nvmma_shared_layout(BLOCK_M, BLOCK_N, dtype),
-        num_warps=4,
+        num_warps=8,
         maxnreg=168,
     )
     if split:
@@ -211,26 +214,24 @@ if HAVE_GLUON:
     @gluon.jit
     def _stage_queries(
         q_ptr, qr_ptr, q_smem, qr_smem, q_start, q_len,
-        stride_qt, stride_qh, stride_rt, stride_rh, shape: DecodeShape, WG: gl.constexpr,
+        stride_qt, stride_qh, stride_rt, stride_rh, shape: DecodeShape,
     ):  # fmt: skip
-        """Warpgroup ``WG``'s half of the program's query rows (:func:`_query_rows`) into
-        shared memory, the first warpgroup's with the rope; zeros past the request's
-        tokens and rows; 64 columns at a time."""
+        """The program's query rows into shared memory (:func:`_query_rows`), zeros
+        past the request's tokens and rows; 64 columns at a time."""
         plain: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         CHUNK: gl.constexpr = qr_smem.type.shape[1]
-        HALF: gl.constexpr = q_smem.type.shape[1] // 2
+        WIDTH: gl.constexpr = q_smem.type.shape[1]
         r = gl.arange(0, shape.block_m, layout=gl.SliceLayout(1, plain))
         d = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, plain))
         token_in_req, head, valid = _query_rows(r, q_len, shape)
         valid = valid[:, None]
         token = (q_start + token_in_req).to(gl.int64)
         q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-        if WG == 0:
-            qr_rows = qr_ptr + token[:, None] * stride_rt + head[:, None] * stride_rh + d[None, :]
-            qr_smem.store(gl.load(qr_rows, mask=valid, other=0.0))
-        for c in gl.static_range(HALF // CHUNK):
-            chunk = gl.load(q_rows + (WG * HALF + c * CHUNK), mask=valid, other=0.0)
-            q_smem.slice(WG * HALF + c * CHUNK, CHUNK, dim=1).store(chunk)
+        qr_rows = qr_ptr + token[:, None] * stride_rt + head[:, None] * stride_rh + d[None, :]
+        qr_smem.store(gl.load(qr_rows, mask=valid, other=0.0))
+        for c in gl.static_range(WIDTH // CHUNK):
+            chunk = gl.load(q_rows + c * CHUNK, mask=valid, other=0.0)
+            q_smem.slice(c * CHUNK, CHUNK, dim=1).store(chunk)
         fence_async_shared()  # the warpgroup MMAs read these rows next
         gl.thread_barrier()
 
@@ -241,265 +242,144 @@ if HAVE_GLUON:
         return warpgroup_mma(qr_smem, pe_tile.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _probs(s, m_i, first, row_end, MASKED: gl.constexpr, qk_scale):
-        """A tile's probabilities against the running max ``m_i`` (log2 domain): ``P``,
-        the factor that rescales what came before, and the new max. With ``MASKED``,
-        keys at or past each row's end score ``-inf``."""
-        TILE: gl.constexpr = s.type.shape[1]
+    def _softmax(s, m_i, l_i, first, row_end, MASKED: gl.constexpr, qk_scale):
+        """One tile's online-softmax step (log2 domain): the probabilities, the factor
+        that rescales the earlier output, and the new running max and sum. With
+        ``MASKED``, keys at or past each row's end score ``-inf``."""
+        BLOCK_N_: gl.constexpr = s.type.shape[1]
         if MASKED:
-            keys = first + gl.arange(0, TILE, layout=gl.SliceLayout(0, s.type.layout))
+            keys = first + gl.arange(0, BLOCK_N_, layout=gl.SliceLayout(0, s.type.layout))
             s = gl.where(keys[None, :] < row_end[:, None], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - m_safe[:, None])
-        return p, gl.exp2(m_i - m_safe), m_new
+        alpha = gl.exp2(m_i - m_safe)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
-    def _tile_probs(s, m_i, first, row_end, masked, qk_scale):
-        if masked:
-            p, scale, m_new = _probs(s, m_i, first, row_end, True, qk_scale)
-        else:
-            p, scale, m_new = _probs(s, m_i, first, row_end, False, qk_scale)
-        return p, scale, m_new
-
-    @gluon.jit
-    def _wait_tile(ready, kv_smem, stage, phase, first, hi):
-        """Wait for a stage's tile; zero its rows of keys past ``hi``."""
-        TILE: gl.constexpr = kv_smem.type.shape[1]
-        mbarrier.wait(ready.index(stage), phase)
-        kv = kv_smem.index(stage)
-        if first + TILE > hi:
-            clear_keys_past(kv, first, hi)
-        return kv
-
-    @gluon.jit
-    def _signal(bar):
-        """One arrival on ``bar`` once every warp of the warpgroup has written its shared
-        memory (``P`` among it, which the other warpgroup's MMA reads)."""
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(bar, count=1)
-
-    @gluon.jit
-    def _first_round(
-        i, o, m_i, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, lo, hi, row_end,
-        num_tiles, num_full, qk_scale, zero_s,
+    def _attend(
+        q_smem, qr_smem, kv_smem, pe_smem, ready, empty, lo, hi, row_end, num_full,
+        qk_scale, o_layout: gl.constexpr, s_layout: gl.constexpr,
     ):  # fmt: skip
-        """The first warpgroup's share of round ``i`` (tiles ``2i`` and ``2i + 1``): the
-        scores and probabilities of tile ``2i``, handed to the second warpgroup; its
-        left output half over both tiles, the second tile's probabilities taken from
-        the second warpgroup."""
-        ready, empty, _, p0_bar, p1_bar, _ = bars
-        m0_s, s0_s, r0_s, m1_s, s1_s = rows
+        """The program's rows against its key tiles ``[lo, hi)``: the unnormalized
+        output ``[BLOCK_M, 512]`` and each row's running max and sum (log2 domain)."""
+        RING: gl.constexpr = kv_smem.type.shape[0]
         TILE: gl.constexpr = kv_smem.type.shape[1]
-        HALF: gl.constexpr = kv_smem.type.shape[2] // 2
-        o_layout: gl.constexpr = o.type.layout
+        ROWS_M: gl.constexpr = q_smem.type.shape[0]
+        WIDTH: gl.constexpr = kv_smem.type.shape[2]
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        first = lo + 2 * i * TILE
-        kv0 = _wait_tile(ready, kv_smem, 0, i & 1, first, hi)
-        s = _scores(q_smem, qr_smem, kv0, pe_smem.index(0), zero_s)
-        s = warpgroup_mma_wait(0, deps=(s, q_smem, qr_smem, kv0, pe_smem.index(0)))[0]
-        p, scale0, m0 = _tile_probs(s, m_i, first, row_end, 2 * i >= num_full, qk_scale)
-        p_smem.store(p.to(p_smem.dtype))
-        m0_s.store(m0)
-        s0_s.store(scale0)
-        r0_s.store(gl.sum(p, axis=1))
-        _signal(p0_bar)
-        o = o * gl.convert_layout(scale0, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(p_smem.dtype), p_layout)
-        o = warpgroup_mma(p_op, kv0.slice(0, HALF, dim=1), o, is_async=True)
-        o = warpgroup_mma_wait(0, deps=(o, p_op, kv0))[0]
-        mbarrier.arrive(empty.index(0), count=1)
-        m_i = m0
-        if 2 * i + 1 < num_tiles:
-            row_layout: gl.constexpr = m_i.type.layout
-            mbarrier.wait(p1_bar, i & 1)
-            scale1 = s1_s.load(row_layout)
-            m_i = m1_s.load(row_layout)
-            o = o * gl.convert_layout(scale1, gl.SliceLayout(1, o_layout))[:, None]
-            kv1 = kv_smem.index(1)
-            o = warpgroup_mma(p_smem, kv1.slice(0, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o, p_smem, kv1))[0]
-            mbarrier.arrive(empty.index(1), count=1)
-        return o, m_i
-
-    @gluon.jit
-    def _second_round(
-        i, o, m_i, l_i, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, lo, hi,
-        row_end, num_tiles, num_full, qk_scale, zero_s,
-    ):  # fmt: skip
-        """The second warpgroup's share of round ``i``: the scores of tile ``2i + 1``
-        (issued before the first warpgroup's probabilities of tile ``2i`` arrive), its
-        right output half over both tiles, and the running max and sum."""
-        ready, empty, _, p0_bar, p1_bar, _ = bars
-        m0_s, s0_s, r0_s, m1_s, s1_s = rows
-        TILE: gl.constexpr = kv_smem.type.shape[1]
-        HALF: gl.constexpr = kv_smem.type.shape[2] // 2
-        o_layout: gl.constexpr = o.type.layout
-        row_layout: gl.constexpr = m_i.type.layout
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        kv0 = kv_smem.index(0)
-        if 2 * i + 1 < num_tiles:
-            first = lo + (2 * i + 1) * TILE
-            kv1 = _wait_tile(ready, kv_smem, 1, i & 1, first, hi)
-            s_tok = _scores(q_smem, qr_smem, kv1, pe_smem.index(1), zero_s)
-            mbarrier.wait(p0_bar, i & 1)
-            m0 = m0_s.load(row_layout)
-            scale0 = s0_s.load(row_layout)
-            l_i = l_i * scale0 + r0_s.load(row_layout)
-            o = o * gl.convert_layout(scale0, gl.SliceLayout(1, o_layout))[:, None]
-            o_tok = warpgroup_mma(p_smem, kv0.slice(HALF, HALF, dim=1), o, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_tok, kv1, pe_smem.index(1)))[0]
-            p, scale1, m_i = _tile_probs(s, m0, first, row_end, 2 * i + 1 >= num_full, qk_scale)
-            l_i = l_i * scale1 + gl.sum(p, axis=1)
-            o = warpgroup_mma_wait(0, deps=(o_tok, p_smem, kv0))[0]
-            mbarrier.arrive(empty.index(0), count=1)
-            p_smem.store(p.to(p_smem.dtype))  # the first warpgroup's P is read
-            m1_s.store(m_i)
-            s1_s.store(scale1)
-            _signal(p1_bar)
-            o = o * gl.convert_layout(scale1, gl.SliceLayout(1, o_layout))[:, None]
-            p_op = gl.convert_layout(p.to(p_smem.dtype), p_layout)
-            o = warpgroup_mma(p_op, kv1.slice(HALF, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o, p_op, kv1))[0]
-            mbarrier.arrive(empty.index(1), count=1)
-        else:  # the last, odd tile: the first warpgroup's alone
-            mbarrier.wait(p0_bar, i & 1)
-            m_i = m0_s.load(row_layout)
-            scale0 = s0_s.load(row_layout)
-            l_i = l_i * scale0 + r0_s.load(row_layout)
-            o = o * gl.convert_layout(scale0, gl.SliceLayout(1, o_layout))[:, None]
-            o = warpgroup_mma(p_smem, kv0.slice(HALF, HALF, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o, p_smem, kv0))[0]
-            mbarrier.arrive(empty.index(0), count=1)
+        m_i = gl.full([ROWS_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([ROWS_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        o = gl.zeros([ROWS_M, WIDTH], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([ROWS_M, TILE], gl.float32, layout=s_layout)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE)
+        if num_tiles > 0:
+            mbarrier.wait(ready.index(0), 0)
+            kv = kv_smem.index(0)
+            if lo + TILE > hi:
+                clear_keys_past(kv, lo, hi)
+            s = _scores(q_smem, qr_smem, kv, pe_smem.index(0), zero_s)
+            s = warpgroup_mma_wait(0, deps=(s, q_smem, qr_smem, kv, pe_smem.index(0)))[0]
+            if num_full == 0:
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, row_end, True, qk_scale)
+            else:
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, lo, row_end, False, qk_scale)
+            p_op = gl.convert_layout(p.to(kv_smem.dtype), p_layout)
+            for j in range(1, num_tiles):
+                stage = j % RING
+                prev = (j - 1) % RING
+                first = lo + j * TILE
+                # The previous tile's P @ V first: its stage goes back to the loader as
+                # soon as it is done, while this tile's scores run.
+                o_tok = warpgroup_mma(p_op, kv_smem.index(prev), o, is_async=True)
+                mbarrier.wait(ready.index(stage), (j // RING) & 1)
+                kv = kv_smem.index(stage)
+                if first + TILE > hi:
+                    clear_keys_past(kv, first, hi)
+                s_tok = _scores(q_smem, qr_smem, kv, pe_smem.index(stage), zero_s)
+                o = warpgroup_mma_wait(1, deps=(o_tok, p_op, kv_smem.index(prev)))[0]
+                mbarrier.arrive(empty.index(prev), count=1)
+                s = warpgroup_mma_wait(0, deps=(s_tok, kv, pe_smem.index(stage)))[0]
+                if j >= num_full:
+                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, first, row_end, True, qk_scale)
+                else:
+                    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, first, row_end, False, qk_scale)
+                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                p_op = gl.convert_layout(p.to(kv_smem.dtype), p_layout)
+            last = (num_tiles - 1) % RING
+            o = warpgroup_mma(p_op, kv_smem.index(last), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o, p_op, kv_smem.index(last)))[0]
+            mbarrier.arrive(empty.index(last), count=1)
         return o, m_i, l_i
 
     @gluon.jit
-    def _warpgroup(
-        q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, out_ptr,
+    def _consumer_partition(
+        q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, ready, empty, out_ptr,
         partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_lt, stride_lh,
-        qk_scale, shape: DecodeShape, WG: gl.constexpr,
+        qk_scale, shape: DecodeShape,
     ):  # fmt: skip
-        """One consumer warpgroup: output columns ``[WG * 256, WG * 256 + 256)`` of the
-        program's rows, the scores of every other tile (FlashMLA's "seesaw" order:
-        the two warpgroups' softmaxes and MMAs interleave), then the store."""
-        _, _, q_bar, _, _, done_bar = bars
-        _, s0_s, r0_s, _, _ = rows
+        """Two warpgroups: the program's rows against its key tiles, then the store."""
         TILE: gl.constexpr = kv_smem.type.shape[1]
-        HALF: gl.constexpr = kv_smem.type.shape[2] // 2
+        WIDTH: gl.constexpr = kv_smem.type.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE, 16]
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, TILE // 2, 16]
         )
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, WIDTH // 2, 16]
         )
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         req = gl.program_id(1)
         q_start = gl.load(cu_seqlens_q_ptr + req)
         q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
         seq_len = gl.load(seq_lens_ptr + req)
         lo, hi = split_key_range(seq_len, TILE)
         _stage_queries(q_ptr, qr_ptr, q_smem, qr_smem, q_start, q_len,
-                       stride_qt, stride_qh, stride_rt, stride_rh, shape, WG)  # fmt: skip
-        mbarrier.arrive(q_bar, count=1)
-        mbarrier.wait(q_bar, 0)  # both halves staged
+                       stride_qt, stride_qh, stride_rt, stride_rh, shape)  # fmt: skip
         # A row of query token t sees keys below context + t + 1.
         context_len = seq_len - q_len
-        r = gl.arange(0, shape.block_m, layout=row_layout)
+        r = gl.arange(0, shape.block_m, layout=gl.SliceLayout(1, s_layout))
         row_end = gl.minimum(context_len + _query_rows(r, q_len, shape)[0] + 1, hi)
         num_full = gl.maximum(gl.minimum(hi, context_len + 1) - lo, 0) // TILE
-        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE)
-        m_i = gl.full([shape.block_m], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([shape.block_m], gl.float32, layout=row_layout)
-        o = gl.zeros([shape.block_m, HALF], gl.float32, layout=o_layout)
-        zero_s = gl.zeros([shape.block_m, TILE], gl.float32, layout=s_layout)
-        for i in range(gl.cdiv(num_tiles, 2)):
-            if WG == 0:
-                o, m_i = _first_round(
-                    i, o, m_i, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, lo, hi,
-                    row_end, num_tiles, num_full, qk_scale, zero_s,
-                )  # fmt: skip
-            else:
-                o, m_i, l_i = _second_round(
-                    i, o, m_i, l_i, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, lo,
-                    hi, row_end, num_tiles, num_full, qk_scale, zero_s,
-                )  # fmt: skip
-        # The second warpgroup holds the rows' final max and sum: shared for the store.
-        if WG == 1:
-            s0_s.store(m_i)
-            r0_s.store(l_i)
-            _signal(done_bar)
-        else:
-            mbarrier.wait(done_bar, 0)
-            m_i = s0_s.load(row_layout)
-            l_i = r0_s.load(row_layout)
+        o, m_i, l_i = _attend(
+            q_smem, qr_smem, kv_smem, pe_smem, ready, empty, lo, hi, row_end,
+            num_full, qk_scale, o_layout, s_layout,
+        )  # fmt: skip
         _store_rows(o, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr, q_start,
-                    q_len, stride_ot, stride_oh, stride_lt, stride_lh, shape, WG)  # fmt: skip
-
-    @gluon.jit
-    def _first_warpgroup(
-        q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, out_ptr,
-        partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_lt, stride_lh,
-        qk_scale, shape: DecodeShape,
-    ):  # fmt: skip
-        _warpgroup(
-            q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, out_ptr,
-            partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-            stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_lt,
-            stride_lh, qk_scale, shape, 0,
-        )  # fmt: skip
-
-    @gluon.jit
-    def _second_warpgroup(
-        q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, out_ptr,
-        partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_lt, stride_lh,
-        qk_scale, shape: DecodeShape,
-    ):  # fmt: skip
-        _warpgroup(
-            q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, out_ptr,
-            partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-            stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_lt,
-            stride_lh, qk_scale, shape, 1,
-        )  # fmt: skip
+                    q_len, stride_ot, stride_oh, stride_lt, stride_lh, shape)  # fmt: skip
 
     @gluon.jit
     def _store_rows(
         o, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr, q_start, q_len,
-        stride_ot, stride_oh, stride_lt, stride_lh, shape: DecodeShape, WG: gl.constexpr,
+        stride_ot, stride_oh, stride_lt, stride_lh, shape: DecodeShape,
     ):  # fmt: skip
-        """Normalize and write warpgroup ``WG``'s half of the real rows: to ``out`` (the
-        second also ``lse``), or as this split's partial rows (output and log2-domain
-        LSE) for the merge kernel."""
+        """Normalize and write the real rows: to ``out`` (and ``lse``), or as this
+        split's partial rows (output and log2-domain LSE) for the merge kernel."""
         layout: gl.constexpr = o.type.layout
-        HALF: gl.constexpr = o.type.shape[1]
+        WIDTH: gl.constexpr = o.type.shape[1]
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, layout))
         o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
         r = gl.arange(0, shape.block_m, layout=gl.SliceLayout(1, layout))
-        d = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        d = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
         token_in_req, head, valid = _query_rows(r, q_len, shape)
         token = (q_start + token_in_req).to(gl.int64)
         row = (token * shape.num_heads + head) * gl.num_programs(2) + gl.program_id(2)
         if shape.split:
-            dst = partial_out_ptr + row[:, None] * (2 * HALF) + d[None, :]
+            dst = partial_out_ptr + row[:, None] * WIDTH + d[None, :]
             gl.store(dst, o, mask=valid[:, None])
         else:
             dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
             gl.store(dst, o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-        if WG == 1:
-            seen = l_i > 0.0  # a row that saw no key: output zeros, LSE -inf
-            lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
-            rs = gl.arange(0, shape.block_m, layout=l_i.type.layout)
-            t_in_req, head_s, valid_s = _query_rows(rs, q_len, shape)
-            token_s = (q_start + t_in_req).to(gl.int64)
-            if shape.split:
-                row_s = (token_s * shape.num_heads + head_s) * gl.num_programs(2)
-                gl.store(partial_lse_ptr + row_s + gl.program_id(2), lse2, mask=valid_s)
-            elif shape.write_lse:
-                lse_dst = lse_ptr + token_s * stride_lt + head_s * stride_lh
-                gl.store(lse_dst, lse2 * 0.6931471805599453, mask=valid_s)  # natural log
+        seen = l_i > 0.0  # a row that saw no key: output zeros, LSE -inf
+        lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+        rs = gl.arange(0, shape.block_m, layout=l_i.type.layout)
+        t_in_req, head_s, valid_s = _query_rows(rs, q_len, shape)
+        token_s = (q_start + t_in_req).to(gl.int64)
+        if shape.split:
+            row_s = (token_s * shape.num_heads + head_s) * gl.num_programs(2) + gl.program_id(2)
+            gl.store(partial_lse_ptr + row_s, lse2, mask=valid_s)
+        elif shape.write_lse:
+            lse_dst = lse_ptr + token_s * stride_lt + head_s * stride_lh
+            gl.store(lse_dst, lse2 * 0.6931471805599453, mask=valid_s)  # natural log
 
     @gluon.jit
     def _wide_decode_kernel(
@@ -509,7 +389,7 @@ if HAVE_GLUON:
         qk_scale, NUM_HEADS: gl.constexpr, ROWS: gl.constexpr,
         BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
         TILE_M: gl.constexpr, TILE_N: gl.constexpr, RING: gl.constexpr,
-        q_layout: gl.constexpr, qr_layout: gl.constexpr, p_layout: gl.constexpr,
+        q_layout: gl.constexpr, qr_layout: gl.constexpr,
     ):  # fmt: skip
         PIECES: gl.constexpr = TILE_N // kv_desc.block_type.shape[0]
         WIDTH: gl.constexpr = kv_desc.block_type.shape[1]  # the latent, 512
@@ -519,28 +399,14 @@ if HAVE_GLUON:
         qr_smem = gl.allocate_shared_memory(dtype, [TILE_M, RWIDTH], qr_layout)
         kv_smem = gl.allocate_shared_memory(dtype, [RING, TILE_N, WIDTH], kv_desc.layout)
         pe_smem = gl.allocate_shared_memory(dtype, [RING, TILE_N, RWIDTH], pe_desc.layout)
-        p_smem = gl.allocate_shared_memory(dtype, [TILE_M, TILE_N], p_layout)
-        row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        rows = (
-            gl.allocate_shared_memory(gl.float32, [TILE_M], row_smem),  # tile 2i's max
-            gl.allocate_shared_memory(gl.float32, [TILE_M], row_smem),  # its rescale
-            gl.allocate_shared_memory(gl.float32, [TILE_M], row_smem),  # its row sums
-            gl.allocate_shared_memory(gl.float32, [TILE_M], row_smem),  # tile 2i+1's max
-            gl.allocate_shared_memory(gl.float32, [TILE_M], row_smem),  # its rescale
-        )
         ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-        flags = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(RING):
             mbarrier.init(ready.index(i), count=2 * PIECES)  # latent and rope: one each a piece
-            mbarrier.init(empty.index(i), count=2)  # one arrival per warpgroup
-        mbarrier.init(flags.index(0), count=2)  # both query halves staged
-        for i in gl.static_range(1, 4):  # P of tile 2i, of tile 2i+1; the final rows
-            mbarrier.init(flags.index(i), count=1)
-        bars = (ready, empty, flags.index(0), flags.index(1), flags.index(2), flags.index(3))
+            mbarrier.init(empty.index(i), count=1)
         shape = DecodeShape(NUM_HEADS, NUM_HEADS, ROWS, TILE_M, BLOCK_SIZE, SPLIT, WRITE_LSE)
         consumer_args = (
-            q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, p_smem, rows, bars, out_ptr,
+            q_ptr, qr_ptr, q_smem, qr_smem, kv_smem, pe_smem, ready, empty, out_ptr,
             partial_out_ptr, partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
             stride_qt, stride_qh, stride_rt, stride_rh, stride_ot, stride_oh, stride_lt,
             stride_lh, qk_scale, shape,
@@ -550,11 +416,5 @@ if HAVE_GLUON:
             table_width, stride_bt, shape,
         )  # fmt: skip
         gl.warp_specialize(
-            [
-                (_first_warpgroup, consumer_args),
-                (_second_warpgroup, consumer_args),
-                (load_partition, load_args),
-            ],
-            [4, 1],
-            [240, 24],
+            [(_consumer_partition, consumer_args), (load_partition, load_args)], [1], [24]
         )
