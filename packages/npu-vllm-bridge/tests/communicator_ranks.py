@@ -17,17 +17,25 @@ def rank_rows(rank: int, rows: int) -> torch.Tensor:
     return torch.randn(rows, HIDDEN, generator=generator)
 
 
-def communicator_rank(rank: int, port: int, queue) -> None:
+COMMUNICATORS = {
+    "host": "npu_vllm_bridge.worker.host_communicator:HostCommunicator",
+    "npu": "npu_vllm_bridge.worker.npu_communicator:NPUCommunicator",
+}
+
+
+def communicator_rank(rank: int, port: int, queue, kind: str = "host") -> None:
+    import importlib
+
     import torch.distributed as dist
 
-    from npu_vllm_bridge.worker.host_communicator import HostCommunicator
-
+    module, name = COMMUNICATORS[kind].split(":")
+    communicator = getattr(importlib.import_module(module), name)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(SIZES)
     )
     try:
         group = dist.group.WORLD
-        comm = HostCommunicator(group, torch.device("cpu"), group, unique_name="dp")
+        comm = communicator(group, torch.device("cpu"), group, unique_name="dp")
         mine = rank_rows(rank, SIZES[rank])
         gathered = comm.all_gatherv(mine, dim=0, sizes=SIZES)
         gathered_t = comm.all_gatherv([mine.t().contiguous()], dim=1, sizes=SIZES)[0]

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 NPU_WORKER = "npu_vllm_bridge.worker.npu.NPUWorker"
+NPU_COMMUNICATOR = "npu_vllm_bridge.worker.npu_communicator.NPUCommunicator"
 # Paged KV block size the fused attention ops take on every Ascend generation.
 NPU_BLOCK_SIZE = 128
 
@@ -94,9 +95,9 @@ class NPUPlatform(BridgePlatformMixin, Platform):
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
-        return (
-            "vllm.distributed.device_communicators.base_device_communicator.DeviceCommunicatorBase"
-        )
+        """vLLM's base communicator over HCCL with the collectives data-parallel MoE and
+        micro-batch overlap need (``worker/npu_communicator.py``)."""
+        return NPU_COMMUNICATOR
 
     @classmethod
     def import_kernels(cls) -> None:

@@ -10,11 +10,10 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
 from npu_vllm_bridge.collectives import record_collectives_whole
-from npu_vllm_bridge.graphs.counters import write_counters_where_asked
-from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
+from npu_vllm_bridge.worker.bridge_runner import BridgeModelRunner
+from npu_vllm_bridge.worker.bridge_worker import BridgeWorkerMixin
 from npu_vllm_bridge.worker.host_moe import moe_layers_through_custom_op
 
 logger = init_logger(f"vllm.{__name__}")
@@ -24,8 +23,9 @@ logger = init_logger(f"vllm.{__name__}")
 _CPU_GEMM_OPS = ("onednn_mm", "weight_packed_linear", "cpu_fused_moe")
 
 
-class HostModelRunner(GraphRunnerMixin, CPUModelRunner):
-    """vLLM's ``CPUModelRunner`` that captures and replays npu-graphs host graphs.
+class HostModelRunner(BridgeModelRunner, CPUModelRunner):
+    """vLLM's ``CPUModelRunner`` that captures and replays npu-graphs host graphs, with
+    what the bridge's runners add on the NPU too (``bridge_runner.py``).
 
     A host graph is a recording of aten ops. vLLM's CPU linear layers call oneDNN or
     SGL GEMM kernels, and its MoE layers a fused-experts kernel, through C++ custom ops
@@ -38,7 +38,6 @@ class HostModelRunner(GraphRunnerMixin, CPUModelRunner):
         if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
             record_cpu_gemms_whole()
         super().load_model(*args, **kwargs)
-        install_mla_dcp(self.vllm_config)
         moe_layers_through_custom_op(self.vllm_config)
 
     def allocate_pipeline_inputs(self) -> None:
@@ -62,12 +61,13 @@ def record_cpu_gemms_whole() -> None:
     HostGraphBackend.record_whole(*[p.default for p in packets if p is not None])
 
 
-class HostWorker(CPUWorker):
-    """vLLM's ``CPUWorker`` with the bridge's runner of the model runner vLLM selected:
-    :class:`HostModelRunner` (V1), or ``HostModelRunnerV2`` (``host_v2.py``); captures
-    graphs after warm-up. Micro-batch overlap held by the platform is switched back on
-    first (``graphs/ubatch_config.py``). Writes its graph counters after every step where
-    ``NPU_BRIDGE_COUNTERS_DIR`` asks for them (``graphs/counters.py``)."""
+class HostWorker(BridgeWorkerMixin, CPUWorker):
+    """vLLM's ``CPUWorker`` with what the bridge's workers add on the NPU too
+    (``bridge_worker.py``: the runner of the model runner vLLM selected,
+    :class:`HostModelRunner` or ``HostModelRunnerV2`` (``host_v2.py``), the graph-memory
+    reserve before the KV cache, the counters); captures graphs after warm-up.
+    Micro-batch overlap held by the platform is switched back on first
+    (``graphs/ubatch_config.py``)."""
 
     def init_device(self) -> None:
         restore_micro_batching(self.vllm_config)
@@ -80,30 +80,19 @@ class HostWorker(CPUWorker):
         groups = [get_tp_group(), get_pcp_group()]
         record_collectives_whole([group.device_communicator for group in groups])
 
-    def _bridge_model_runner(self) -> Any:
-        if not self.use_v2_model_runner:
-            return HostModelRunner(self.vllm_config, self.device)
-        from vllm.v1.worker.workspace import init_workspace_manager
-
+    def runner_classes(self) -> tuple[type, type]:
         from npu_vllm_bridge.worker.host_v2 import HostModelRunnerV2
 
-        init_workspace_manager(self.device)  # V2's capture locks it; CPUWorker makes none
-        if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-            record_cpu_gemms_whole()
-        return HostModelRunnerV2(self.vllm_config, self.device)
+        return HostModelRunner, HostModelRunnerV2
 
-    def determine_available_memory(self) -> int:
-        """vLLM's CPU estimate of KV-cache memory, less the graphs' profiled memory."""
-        if self.model_config.enforce_eager:
-            return super().determine_available_memory()
-        graphs = self.model_runner.profile_graph_memory()
-        available = max(super().determine_available_memory() - graphs, 0)
-        logger.info(
-            "KV cache gets %.2f GiB after %.2f MiB reserved for graphs",
-            available / 2**30,
-            graphs / 2**20,
-        )
-        return available
+    def _bridge_model_runner(self) -> Any:
+        if self.use_v2_model_runner:
+            from vllm.v1.worker.workspace import init_workspace_manager
+
+            init_workspace_manager(self.device)  # V2's capture locks it; CPUWorker makes none
+            if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+                record_cpu_gemms_whole()
+        return self.model_runner_class()(self.vllm_config, self.device)
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
@@ -112,8 +101,3 @@ class HostWorker(CPUWorker):
         if not self.model_config.enforce_eager:
             self.model_runner.capture_model()
         return times
-
-    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().execute_model(*args, **kwargs)
-        write_counters_where_asked(self.parallel_config.data_parallel_rank, self.rank)
-        return output

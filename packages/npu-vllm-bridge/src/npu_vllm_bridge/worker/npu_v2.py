@@ -15,17 +15,11 @@ groups, replay, update order) are checked by ``tests-conformance/test_npu_v2_gra
 
 from __future__ import annotations
 
-from typing import Any
-
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 
-from npu_vllm_bridge.attention.kv_cache import refuse_kv_cache_zeroing
-from npu_vllm_bridge.graphs.v2_runner import GraphManagerHook
+from npu_vllm_bridge.worker.bridge_runner import BridgeModelRunnerV2
 
 
-class NPUModelRunnerV2(GraphManagerHook, GPUModelRunnerV2):
-    """vLLM's V2 ``GPUModelRunner`` whose graphs are npu-graphs NPU graphs."""
-
-    def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
-        refuse_kv_cache_zeroing(kv_cache_config)
-        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+class NPUModelRunnerV2(BridgeModelRunnerV2, GPUModelRunnerV2):
+    """vLLM's V2 ``GPUModelRunner`` whose graphs are npu-graphs NPU graphs, with what the
+    bridge's V2 runners add (``bridge_runner.py``)."""
