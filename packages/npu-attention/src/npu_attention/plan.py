@@ -195,6 +195,7 @@ def build_plan(
     device = _resolve_device(device, tables)
     chosen = get_provider(provider, device, family=spec.provider_family)
     chosen.check_spec(spec)
+    _check_kv_cache_dtype(chosen, spec)
     cu_t, seq_t, ctx_t, tables_t, slots_t = _device_tensors(
         host, tables, slots, device, spec, buffers, device_lengths
     )
@@ -263,6 +264,17 @@ class SlotHandling:
             raise ValueError(
                 f"null_block must be in [0, num_blocks={self.num_blocks}), got {block}"
             )
+
+
+def _check_kv_cache_dtype(provider: Any, spec: StepSpec) -> None:
+    """Raise ``ValueError`` when ``provider`` does not take ``spec.kv_cache_dtype``."""
+    kind = getattr(spec, "kv_cache_dtype", "auto")
+    accepted = getattr(provider, "kv_cache_dtypes", ("auto",))
+    if kind not in accepted:
+        raise ValueError(
+            f"attention provider {provider.name!r} does not support kv_cache_dtype={kind!r}; "
+            f"it takes {list(accepted)}"
+        )
 
 
 def classify(query_lens: np.ndarray, context_lens: np.ndarray, num_decodes: int) -> BatchState:

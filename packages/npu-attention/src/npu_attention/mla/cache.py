@@ -29,7 +29,7 @@ def split_latent_cache(cache: torch.Tensor, spec: MLASpec) -> LatentCache:
 
     Raises:
         ValueError: a shape other than ``[*, block_size, latent_dim]``.
-        TypeError: a dtype other than ``spec.dtype``.
+        TypeError: a dtype other than ``spec.cache_dtype``.
     """
     expected = (spec.block_size, spec.latent_dim)
     if cache.dim() != 3 or tuple(cache.shape[1:]) != expected:
@@ -47,14 +47,14 @@ def latent_cache_planes(storage: torch.Tensor, spec: MLASpec) -> LatentCache:
     ``k_pe`` rows (what the ascend provider needs; the reference and Triton take them too).
 
     Args:
-        storage: a contiguous tensor of ``spec.dtype`` whose element count is a
+        storage: a contiguous tensor of ``spec.cache_dtype`` whose element count is a
             multiple of ``block_size * latent_dim`` (e.g. vLLM's per-layer MLA cache
             ``[num_blocks, block_size, latent_dim]`` reinterpreted; its previous
             contents are not preserved as latent rows).
 
     Raises:
         ValueError: non-contiguous storage or a size that is not whole blocks.
-        TypeError: a dtype other than ``spec.dtype``.
+        TypeError: a dtype other than ``spec.cache_dtype``.
     """
     _check_dtype(storage, spec)
     if not storage.is_contiguous():
@@ -81,7 +81,7 @@ def allocate_latent_cache(
     Not used by the vLLM bridge today (vLLM allocates the cache; the bridge takes views
     of it); for engines that own their cache, and for tests."""
     storage = torch.zeros(
-        num_blocks * spec.block_size * spec.latent_dim, dtype=spec.dtype, device=device
+        num_blocks * spec.block_size * spec.latent_dim, dtype=spec.cache_dtype, device=device
     )
     return latent_cache_planes(storage, spec)
 
@@ -117,5 +117,5 @@ def check_latent_cache(cache: LatentCache, spec: MLASpec, device: torch.device) 
 
 
 def _check_dtype(tensor: torch.Tensor, spec: MLASpec, name: str = "latent cache") -> None:
-    if tensor.dtype != spec.dtype:
-        raise TypeError(f"{name} must have dtype {spec.dtype}, got {tensor.dtype}")
+    if tensor.dtype != spec.cache_dtype:
+        raise TypeError(f"{name} must have dtype {spec.cache_dtype}, got {tensor.dtype}")

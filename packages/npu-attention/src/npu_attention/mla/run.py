@@ -24,7 +24,12 @@ KVUpProjection = Callable[[torch.Tensor], torch.Tensor]
 
 
 def mla_write_cache(
-    kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: AttentionPlan
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: LatentCache,
+    plan: AttentionPlan,
+    *,
+    k_scale: torch.Tensor | None = None,
 ) -> None:
     """Write the step's latents into ``cache`` at ``plan.slot_mapping``.
 
@@ -33,6 +38,9 @@ def mla_write_cache(
         k_pe: ``[num_tokens, qk_rope_head_dim]``, ``spec.dtype`` (rotary key, rotated).
         cache: the layer's ``LatentCache``.
         plan: from ``npu_attention.plan`` with an ``MLASpec``.
+        k_scale: an fp8 cache's scale (``spec.kv_cache_dtype`` ``fp8`` / ``fp8_e4m3``):
+            float32, one element, on the plan's device; ``None`` for ``auto``. The same
+            scale quantizes and dequantizes both planes (vLLM's MLA ``_k_scale``).
 
     Token ``t < plan.num_actual_tokens`` is written unless its slot is ``-1``;
     rows past ``num_actual_tokens`` (graph padding) are never read.
@@ -45,7 +53,8 @@ def mla_write_cache(
     _check_rows("kv_c", kv_c, plan, (spec.kv_lora_rank,), plan.num_actual_tokens)
     _check_rows("k_pe", k_pe, plan, (spec.qk_rope_head_dim,), plan.num_actual_tokens)
     check_latent_cache(cache, spec, plan.device)
-    plan.provider.write_cache(kv_c, k_pe, cache, plan)
+    extra = _scale_kwargs(k_scale, plan)
+    plan.provider.write_cache(kv_c, k_pe, cache, plan, **extra)
 
 
 def mla_decode(
@@ -56,6 +65,7 @@ def mla_decode(
     out: torch.Tensor,
     *,
     lse: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed (MQA) attention of the plan's decode requests; returns ``out``.
 
@@ -75,6 +85,8 @@ def mla_decode(
             log-sum-exp of its scaled scores, ``-inf`` for a request of KV length 0
             (whose ``out`` rows are zeros); what decode context parallelism merges
             by (``merge_attention_states``).
+        k_scale: an fp8 cache's scale, as in ``mla_write_cache``: the latent rows are
+            read as ``code * k_scale``.
 
     Raises:
         TypeError: a plan not made for an ``MLASpec``, or wrong dtypes.
@@ -87,13 +99,12 @@ def mla_decode(
     _check_rows("q_rope", q_rope, plan, (spec.num_heads, spec.qk_rope_head_dim), rows)
     _check_rows("out", out, plan, (spec.num_heads, spec.kv_lora_rank), rows)
     check_latent_cache(cache, spec, plan.device)
+    extra = _scale_kwargs(k_scale, plan)
     if lse is not None:
         check_lse(lse, plan, "num_decode_tokens")
+        extra["lse"] = lse
     if rows:
-        if lse is None:
-            plan.provider.decode(q_latent, q_rope, cache, plan, out)
-        else:
-            plan.provider.decode(q_latent, q_rope, cache, plan, out, lse=lse)
+        plan.provider.decode(q_latent, q_rope, cache, plan, out, **extra)
     return out
 
 
@@ -103,6 +114,8 @@ def mla_prefill(
     plan: AttentionPlan,
     kv_up_proj: KVUpProjection,
     out: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Non-absorbed (MHA) causal attention of the plan's prefill requests; returns ``out``.
 
@@ -119,6 +132,8 @@ def mla_prefill(
         kv_up_proj: ``kv_c`` ``[n, kv_lora_rank]`` -> ``[n, num_heads * (P + V)]`` or
             ``[n, num_heads, P + V]``, each head ``[k_nope | v]`` (vLLM's ``kv_b_proj``).
         out: ``[rows, num_heads, v_head_dim]``, written for the prefill rows only.
+        k_scale: an fp8 cache's scale, as in ``mla_write_cache``: the latent rows are
+            dequantized to ``spec.dtype`` before ``kv_up_proj``.
 
     Raises:
         TypeError: a plan not made for an ``MLASpec``, wrong dtypes, or a
@@ -132,8 +147,9 @@ def mla_prefill(
     check_latent_cache(cache, spec, plan.device)
     if not callable(kv_up_proj):
         raise TypeError(f"kv_up_proj must be callable, got {type(kv_up_proj).__name__}")
+    extra = _scale_kwargs(k_scale, plan)
     if rows:
-        plan.provider.prefill(query, cache, plan, kv_up_proj, out)
+        plan.provider.prefill(query, cache, plan, kv_up_proj, out, **extra)
     return out
 
 
@@ -159,6 +175,36 @@ def up_projected_heads(
     heads = projected.reshape(n, spec.num_heads, width)
     k_nope, v = heads.split([spec.qk_nope_head_dim, spec.v_head_dim], dim=-1)
     return k_nope, v
+
+
+def _scale_kwargs(k_scale: torch.Tensor | None, plan: AttentionPlan) -> dict[str, torch.Tensor]:
+    """``{"scale": k_scale}`` for an fp8 cache, ``{}`` for ``auto``, after checking it.
+
+    Raises:
+        ValueError / TypeError: a scale given to ``auto``, missing for fp8, or not a
+            float32 tensor of one element on the plan's device.
+    """
+    kind = plan.spec.kv_cache_dtype
+    if kind == "auto":
+        if k_scale is not None:
+            shape = list(k_scale.shape) if isinstance(k_scale, torch.Tensor) else k_scale
+            raise ValueError(f"MLA kv_cache_dtype='auto' takes no k_scale, got {shape}")
+        return {}
+    if not isinstance(k_scale, torch.Tensor):
+        raise ValueError(
+            f"MLA kv_cache_dtype={kind!r} needs k_scale: a float32 tensor of one element, "
+            f"got {type(k_scale).__name__}"
+        )
+    if k_scale.dtype != torch.float32:
+        raise TypeError(f"k_scale must have dtype torch.float32, got {k_scale.dtype}")
+    if k_scale.numel() != 1 or k_scale.dim() > 1:
+        raise ValueError(
+            f"k_scale of MLA kv_cache_dtype={kind!r} must have one element, got shape "
+            f"{list(k_scale.shape)}"
+        )
+    if k_scale.device != plan.device:
+        raise ValueError(f"k_scale must be on {plan.device}, got {k_scale.device}")
+    return {"scale": k_scale}
 
 
 def _mla_spec(plan: AttentionPlan) -> MLASpec:

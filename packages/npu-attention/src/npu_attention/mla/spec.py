@@ -8,9 +8,12 @@ from typing import ClassVar
 
 import torch
 
+from npu_attention import kv_quant
 from npu_attention.spec import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, SUPPORTED_DTYPES, StepSpec
 
 MAX_DIM = 1024  # sanity bound on each width; providers declare what they take
+# The latent cache's kinds: vLLM's MLA layers take a per-tensor fp8 cache.
+MLA_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ class MLASpec(StepSpec):
         dtype: dtype of queries, caches and outputs.
         scale: score scale; ``None`` means ``1 / sqrt(P + R)``.
         num_speculative_tokens: draft tokens verified per decode request (0 = none).
+        kv_cache_dtype: ``"auto"`` (latent rows in ``dtype``) or ``"fp8"`` /
+            ``"fp8_e4m3"``: float8_e4m3fn rows with one float32 scale for the whole cache
+            (vLLM's MLA layers: their ``_k_scale``), ``code = e4m3(clamp(x / s, ±448))``.
     """
 
     num_heads: int
@@ -44,6 +50,7 @@ class MLASpec(StepSpec):
     dtype: torch.dtype = torch.bfloat16
     scale: float | None = None
     num_speculative_tokens: int = 0
+    kv_cache_dtype: str = "auto"
 
     provider_family: ClassVar[str] = "mla"
 
@@ -67,6 +74,16 @@ class MLASpec(StepSpec):
             raise ValueError(
                 f"num_speculative_tokens must be an int >= 0, got {self.num_speculative_tokens!r}"
             )
+        if self.kv_cache_dtype not in MLA_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"MLA kv_cache_dtype must be one of {list(MLA_KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype of the latent rows: ``dtype``, or ``torch.float8_e4m3fn`` for fp8."""
+        return kv_quant.cache_dtype(self.kv_cache_dtype, self.dtype)
 
     @property
     def latent_dim(self) -> int:

@@ -33,8 +33,9 @@ class AttentionProvider(ABC):
     # (they refuse others instead of copying: a copy inside a graph task would run
     # outside the graph when the task is re-issued). Callers make them contiguous first.
     contiguous_inputs: ClassVar[bool] = False
-    # ``AttentionSpec.kv_cache_dtype`` values the provider reads and writes; a provider
-    # that takes quantized kinds gets ``scales=`` in ``write_kv`` and ``attend``.
+    # ``AttentionSpec.kv_cache_dtype`` values the provider reads and writes (``plan``
+    # refuses others); a provider that takes quantized kinds gets ``scales=`` in
+    # ``write_kv`` and ``attend``.
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     @classmethod
@@ -49,19 +50,13 @@ class AttentionProvider(ABC):
         """Refuse a spec the provider cannot run (called by ``plan`` before any work).
 
         Raises:
-            ValueError: a head size not in ``head_sizes`` or a ``kv_cache_dtype`` not in
-                ``kv_cache_dtypes``, naming the provider and what it takes.
+            ValueError: a head size not in ``head_sizes``, naming the provider and its sizes
+                (``plan`` checks ``kv_cache_dtypes`` itself).
         """
         if spec.head_size not in self.head_sizes:
             raise ValueError(
                 f"attention provider {self.name!r} does not support head_size="
                 f"{spec.head_size}; its head sizes are {list(self.head_sizes)}"
-            )
-        kv_cache_dtype = getattr(spec, "kv_cache_dtype", "auto")
-        if kv_cache_dtype not in self.kv_cache_dtypes:
-            raise ValueError(
-                f"attention provider {self.name!r} does not support kv_cache_dtype="
-                f"{kv_cache_dtype!r}; it takes {list(self.kv_cache_dtypes)}"
             )
 
     def prepare(self, plan: AttentionPlan) -> Any:

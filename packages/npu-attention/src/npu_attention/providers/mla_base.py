@@ -42,6 +42,9 @@ class MLAProvider(ABC):
     # Whether ``write_cache`` / ``decode`` need contiguous latent, rope and query rows
     # (refused otherwise: see ``AttentionProvider.contiguous_inputs``).
     contiguous_inputs: ClassVar[bool] = False
+    # ``MLASpec.kv_cache_dtype`` values the provider reads and writes (``plan`` refuses
+    # others); one that takes ``fp8`` gets the latent cache's ``scale=`` in its calls.
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     @classmethod
     def is_available(cls) -> bool:

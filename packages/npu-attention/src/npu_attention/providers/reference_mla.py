@@ -20,9 +20,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from npu_attention import kv_quant
 from npu_attention.mla.cache import LatentCache
 from npu_attention.mla.run import KVUpProjection, up_projected_heads
-from npu_attention.mla.spec import MLASpec
+from npu_attention.mla.spec import MLA_KV_CACHE_DTYPES, MLASpec
 from npu_attention.plan import AttentionPlan
 from npu_attention.providers.mla_base import MLAProvider, require_cache
 from npu_attention.providers.reference import (
@@ -66,6 +67,7 @@ class ReferenceMLAProvider(MLAProvider):
     name: ClassVar[str] = "reference"
     device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     returns_lse: ClassVar[bool] = True
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = MLA_KV_CACHE_DTYPES
 
     def prepare(self, plan: AttentionPlan) -> ReferenceMLAData:
         require_cache(plan)
@@ -77,7 +79,13 @@ class ReferenceMLAProvider(MLAProvider):
         )
 
     def write_cache(
-        self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: AttentionPlan
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: LatentCache,
+        plan: AttentionPlan,
+        *,
+        scale: torch.Tensor | None = None,
     ) -> None:
         target = plan.provider_data.kv_write
         count = target.blocks.shape[0]
@@ -87,6 +95,9 @@ class ReferenceMLAProvider(MLAProvider):
             kv_c, k_pe = kv_c[:count], k_pe[:count]
         else:
             kv_c, k_pe = kv_c.index_select(0, target.tokens), k_pe.index_select(0, target.tokens)
+        if scale is not None:
+            kv_c = kv_quant.quantize_per_tensor(kv_c, scale)
+            k_pe = kv_quant.quantize_per_tensor(k_pe, scale)
         cache.kv_c.index_put_((target.blocks, target.offsets), kv_c)
         cache.k_pe.index_put_((target.blocks, target.offsets), k_pe)
 
@@ -99,6 +110,7 @@ class ReferenceMLAProvider(MLAProvider):
         out: torch.Tensor,
         *,
         lse: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> None:
         spec = plan.spec
         rows = plan.num_decode_tokens
@@ -116,6 +128,8 @@ class ReferenceMLAProvider(MLAProvider):
                 ],
                 dim=-1,
             ).view(tile.batch, tile.key_len, 1, spec.latent_dim)
+            if scale is not None:
+                latent = kv_quant.dequantize(latent, scale)
             _attend_tile(query, latent, latent[..., : spec.kv_lora_rank], tile, spec, out, lse)
 
     def prefill(
@@ -125,9 +139,11 @@ class ReferenceMLAProvider(MLAProvider):
         plan: AttentionPlan,
         kv_up_proj: KVUpProjection,
         out: torch.Tensor,
+        *,
+        scale: torch.Tensor | None = None,
     ) -> None:
         pages = plan.provider_data.prefill
-        keys, values = decompressed_pages(cache, pages.blocks, plan.spec, kv_up_proj)
+        keys, values = decompressed_pages(cache, pages.blocks, plan.spec, kv_up_proj, scale)
         for tile in pages.tiles:
             tile_k = keys.index_select(0, tile.kv_blocks)
             tile_v = values.index_select(0, tile.kv_blocks)
@@ -181,16 +197,25 @@ def prefill_pages(plan: AttentionPlan) -> PrefillPages | None:
 
 
 def decompressed_pages(
-    cache: LatentCache, blocks: torch.Tensor, spec: MLASpec, kv_up_proj: KVUpProjection
+    cache: LatentCache,
+    blocks: torch.Tensor,
+    spec: MLASpec,
+    kv_up_proj: KVUpProjection,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``[pages, block_size, N, P + R]`` and values ``[pages, block_size, N, V]`` of
-    the cache pages ``blocks``, decompressed by ``kv_up_proj``.
+    the cache pages ``blocks``, decompressed by ``kv_up_proj`` (an fp8 cache's rows
+    dequantized with ``scale`` to ``spec.dtype`` first, as vLLM's MLA prefill gathers
+    them).
 
     Raises:
         TypeError: ``kv_up_proj`` returns another dtype than ``spec.dtype``.
     """
     kv_c = cache.kv_c.index_select(0, blocks).reshape(-1, spec.kv_lora_rank)
     k_pe = cache.k_pe.index_select(0, blocks).reshape(-1, 1, spec.qk_rope_head_dim)
+    if scale is not None:
+        kv_c = kv_quant.dequantize(kv_c, scale).to(spec.dtype)
+        k_pe = kv_quant.dequantize(k_pe, scale).to(spec.dtype)
     k_nope, v = up_projected_heads(kv_up_proj, kv_c, spec)
     if k_nope.dtype != spec.dtype:
         raise TypeError(f"kv_up_proj must return {spec.dtype}, got {k_nope.dtype}")
