@@ -297,7 +297,8 @@ if HAVE_GLUON:
                 if first + TILE > hi:
                     clear_keys_past(kv, first, hi)
                 s_tok = _scores(q_smem, qr_smem, kv, pe_smem.index(stage), zero_s)
-                o = warpgroup_mma_wait(1, deps=(o_tok, p_op, kv_smem.index(prev)))[0]
+                # Done once P @ V is (the scores' two MMAs may still run): the stage goes back.
+                o = warpgroup_mma_wait(2, deps=(o_tok, p_op, kv_smem.index(prev)))[0]
                 mbarrier.arrive(empty.index(prev), count=1)
                 s = warpgroup_mma_wait(0, deps=(s_tok, kv, pe_smem.index(stage)))[0]
                 if j >= num_full:
