@@ -11,8 +11,9 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, Trito
 from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
 import npu_attention
-from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
+from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend, NPUBridgeMLABackend
 from npu_vllm_bridge.attention.kv_cache import quantized_kv_cache
+from npu_vllm_bridge.settings import refuse_kv_cache_dtype
 
 KINDS = ("fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head")
 PAGE_DTYPE = {
@@ -102,3 +103,16 @@ def test_pages_written_by_npu_attention_land_where_vllm_reads_them(kind):
     bound_v = 0.07 * value.float().abs().amax() if page_dtype != torch.int8 else vs.max() / 2 + 1e-6
     assert err_v.max() <= bound_v
     assert k_codes.abs().max() > 0
+
+
+def test_mla_takes_an_fp8_latent_cache_only():
+    for kind in ("auto", "fp8", "fp8_e4m3"):
+        assert NPUBridgeMLABackend.supports_kv_cache_dtype(kind), kind
+        refuse_kv_cache_dtype(kind, "mla")
+    assert not NPUBridgeMLABackend.supports_kv_cache_dtype("int8_per_token_head")
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_dtype='int8_per_token_head' for MLA layers with the 'reference' "
+        r"attention provider; it takes kv_cache_dtype in \['auto', 'fp8', 'fp8_e4m3'\]",
+    ):
+        refuse_kv_cache_dtype("int8_per_token_head", "mla")

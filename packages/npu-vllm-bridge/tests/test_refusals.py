@@ -39,7 +39,10 @@ def test_selector_accepts_a_supported_layer_and_registers_custom():
     ("overrides", "message"),
     [
         ({"use_mla": True, "use_sparse": True}, "does not support sparse MLA"),
-        ({"use_mla": True, "kv_cache_dtype": "fp8"}, "MLA cannot serve.*kv_cache_dtype"),
+        (
+            {"use_mla": True, "kv_cache_dtype": "int8_per_token_head"},
+            "MLA cannot serve.*kv_cache_dtype",
+        ),
         ({"use_sparse": True}, "sparse attention"),
         (
             {"head_size": 48},

@@ -19,6 +19,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 import npu_attention
+from npu_attention.mla.spec import MLA_KV_CACHE_DTYPES
 from npu_vllm_bridge.attention.builder import BridgeMetadataBuilder
 from npu_vllm_bridge.attention.capabilities import (
     KERNEL_BLOCK_SIZES,
@@ -124,6 +125,9 @@ class NPUBridgeMLABackend(BridgeBackendMixin, MLACommonBackend):
 
     impl_cls = BridgeMLAImpl
     builder_cls = BridgeMLAMetadataBuilder
+    # The latent cache's kinds (per-tensor fp8, as vLLM's MLA backends take); the
+    # platform's start-up check refuses those its MLA provider does not take.
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(MLA_KV_CACHE_DTYPES)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

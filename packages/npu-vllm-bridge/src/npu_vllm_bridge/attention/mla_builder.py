@@ -122,15 +122,18 @@ def mla_spec_for_layers(
                 layer.qk_rope_head_dim,
                 layer.v_head_dim,
                 float(layer.scale),
+                getattr(layer, "kv_cache_dtype", "auto"),
             )
         )
     if len(shapes) != 1:
         raise ValueError(
             f"{PREFIX} plans MLA once per KV-cache group, but the layers "
             f"{sorted(layer_names)} differ in (num_heads, kv_lora_rank, qk_nope_head_dim, "
-            f"qk_rope_head_dim, v_head_dim, scale): {sorted(shapes)}"
+            f"qk_rope_head_dim, v_head_dim, scale, kv_cache_dtype): {sorted(shapes)}"
         )
-    heads, rank, nope, rope, v_dim, scale = shapes.pop()
+    heads, rank, nope, rope, v_dim, scale, kv_cache_dtype = shapes.pop()
+    # An fp8 cache's spec holds the page dtype (uint8); attention runs in the model's.
+    dtype = kv_cache_spec.dtype if kv_cache_dtype == "auto" else vllm_config.model_config.dtype
     if kv_cache_spec.head_size != rank + rope:
         raise ValueError(
             f"the MLA KV cache holds rows of {kv_cache_spec.head_size}, expected "
@@ -143,9 +146,10 @@ def mla_spec_for_layers(
         qk_rope_head_dim=rope,
         v_head_dim=v_dim,
         block_size=kv_cache_spec.block_size,
-        dtype=kv_cache_spec.dtype,
+        dtype=dtype,
         scale=scale,
         num_speculative_tokens=num_speculative_tokens,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 

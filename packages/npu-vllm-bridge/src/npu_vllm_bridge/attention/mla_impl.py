@@ -47,8 +47,10 @@ _BASE_PARAMETERS = frozenset(inspect.signature(MLACommonImpl.__init__).parameter
 class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
     """Latent cache write, absorbed decode and non-absorbed prefill of one MLA layer.
 
-    Options the kernels do not have (sliding window, quantized KV caches, logits soft
-    cap, ALiBi, encoder attention, sparse MLA) are refused when vLLM builds the layer.
+    Options the kernels do not have (sliding window, KV cache kinds the provider does
+    not take, logits soft cap, ALiBi, encoder attention, sparse MLA) are refused when
+    vLLM builds the layer. An fp8 latent cache (``fp8`` / ``fp8_e4m3``) is written and
+    read with the layer's ``_k_scale`` (a checkpoint's, else vLLM's 1.0).
     """
 
     # vLLM's DCP flags (AttentionImplBase): forward_mqa returns the LSE, so vLLM may
@@ -75,6 +77,7 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         # The decode kernels take queries in the model dtype (no fp8 query input).
         self.supports_quant_query_input = False
         self.kv_cache_split = current_settings().kv_cache_split
+        self.kv_cache_dtype = layer_args.get("kv_cache_dtype", "auto")
         self._layer_name: str | None = None
 
     # -- vLLM's MLA impl interface -------------------------------------------------
@@ -90,9 +93,9 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         skip_scale: bool = False,
     ) -> None:
         """Write the step's latents at the plan's slots (the same slots vLLM passes; under
-        PCP the rows of every rank, at the group's gathered slots). ``skip_scale``
-        (vLLM 0.33 passes it, 0.32 does not) concerns fp8 caches only, which this impl
-        refuses: the latents are written as they come."""
+        PCP the rows of every rank, at the group's gathered slots); an fp8 cache's rows
+        quantized with ``k_scale`` (the layer's). ``skip_scale`` (vLLM 0.33 passes it,
+        0.32 does not) is not taken: the scale is always applied."""
         if kv_cache.numel() == 0:
             return
         layer_name = self.layer_name()
@@ -108,6 +111,7 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
             self.latent_cache(kv_cache, attn_metadata.plan.spec),
             attn_metadata,
             layer_name=layer_name,
+            k_scale=self._cache_scale(k_scale),
         )
 
     def forward_mqa(
@@ -126,13 +130,16 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
         else:
             q_latent, q_rope = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         plan = attn_metadata.plan
-        if plan.provider.contiguous_inputs:  # vLLM's q_latent is a transposed bmm output
-            q_latent, q_rope = contiguous_rows(q_latent, q_rope)
         rows, heads = q_latent.shape[0], plan.spec.num_heads
-        out = q_latent.new_zeros(rows, heads, self.kv_lora_rank)
         lse = None
         if self.dcp_world_size > 1:
             lse = torch.full((rows, heads), float("-inf"), device=q_latent.device)
+        if plan.provider.contiguous_inputs:  # vLLM's q_latent is a transposed bmm output
+            q_latent, q_rope = contiguous_rows(q_latent, q_rope)
+        padded = plan.provider.decode_heads(plan.spec, with_lse=lse is not None)
+        if padded != heads:  # copied here, before the task: the kernel reads whole rows
+            q_latent, q_rope = (head_prefix(x, padded) for x in (q_latent, q_rope))
+        out = head_prefix(q_latent.new_zeros(rows, heads, self.kv_lora_rank), padded)
         run_mla_decode(
             q_latent,
             q_rope,
@@ -141,8 +148,9 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
             lse,
             attn_metadata,
             layer_name=self.layer_name(getattr(layer, "layer_name", None)),
+            k_scale=self._cache_scale(getattr(layer, "_k_scale", None)),
         )
-        return out, lse
+        return out.contiguous(), lse
 
     def forward_mha(  # type: ignore[override]
         self,
@@ -167,6 +175,7 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
             output.view(output.shape[0], self.num_heads, self.v_head_dim),
             attn_metadata,
             layer_name=self.layer_name(),
+            k_scale=self._cache_scale(k_scale),
         )
 
     # -- helpers -------------------------------------------------------------------
@@ -174,12 +183,19 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
     def _kv_up_proj(self, kv_c: torch.Tensor) -> torch.Tensor:
         return self.kv_b_proj(kv_c)[0]
 
+    def _cache_scale(self, k_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """The scale npu-attention takes: the layer's for an fp8 cache, none for ``auto``."""
+        return None if self.kv_cache_dtype == "auto" else k_scale
+
     def latent_cache(self, kv_cache: torch.Tensor, spec) -> LatentCache:
         """The layer's ``[num_blocks, block_size, latent_dim]`` cache as npu-attention's
         ``LatentCache``: views of vLLM's interleaved rows (``packed``), or two
-        contiguous planes of the same region (``planes``, what Ascend's ops read)."""
+        contiguous planes of the same region (``planes``, what Ascend's ops read). An
+        fp8 cache (vLLM allocates ``uint8``) is viewed as ``float8_e4m3fn``."""
         if kv_cache.dim() == 4:  # [num_blocks, 1, block_size, latent_dim]
             kv_cache = kv_cache.squeeze(1)
+        if kv_cache.dtype == torch.uint8 and spec.cache_dtype == torch.float8_e4m3fn:
+            kv_cache = kv_cache.view(torch.float8_e4m3fn)
         if self.kv_cache_split == "planes":
             return latent_cache_planes(kv_cache, spec)
         return split_latent_cache(kv_cache, spec)
@@ -193,6 +209,17 @@ class BridgeMLAImpl(MLACommonImpl[BridgeMLAMetadata]):
             else:
                 self._layer_name = _owner_layer_name(self)
         return self._layer_name
+
+
+def head_prefix(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x`` ``[rows, N, D]`` as the first ``N`` heads of a zeroed contiguous ``[rows,
+    heads, D]`` (``x`` itself when ``heads == N``): the layout in which a provider whose
+    ``decode_heads`` exceeds ``N`` reads and writes whole rows in place."""
+    if x.shape[1] == heads:
+        return x
+    padded = x.new_zeros(x.shape[0], heads, x.shape[2])
+    padded[:, : x.shape[1]] = x
+    return padded[:, : x.shape[1]]
 
 
 def layer_attn_metadata(layer_name: str) -> BridgeMLAMetadata | None:

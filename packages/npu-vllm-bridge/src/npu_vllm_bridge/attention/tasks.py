@@ -139,18 +139,18 @@ def _dcp_attention(
 
 def run_mla_write_cache(
     kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, attn_metadata: Any, *,
-    layer_name: str,
+    layer_name: str, k_scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """``mla_write_cache`` of one layer (slots from the plan; under PCP, rows and slots
     of every rank, from ``write_plan``) as a task."""
     call_task(
-        _mla_write, kv_c, k_pe, cache,
+        _mla_write, kv_c, k_pe, cache, k_scale,
         step=attn_metadata, derive=mla_write_args, name=layer_name,
     )  # fmt: skip
 
 
-def _mla_write(kv_c, k_pe, cache, *, plan: AttentionPlan) -> None:
-    mla_write_cache(kv_c, k_pe, cache, plan)
+def _mla_write(kv_c, k_pe, cache, k_scale, *, plan: AttentionPlan) -> None:
+    mla_write_cache(kv_c, k_pe, cache, plan, k_scale=k_scale)
 
 
 def run_mla_decode(
@@ -162,17 +162,18 @@ def run_mla_decode(
     attn_metadata: Any,
     *,
     layer_name: str,
+    k_scale: torch.Tensor | None = None,
 ) -> None:
     """``mla_decode`` of one layer (absorbed; with ``lse``, the rows' log-sum-exp too)
-    as a task."""
+    as a task; an fp8 cache's scale is a static argument."""
     call_task(
-        _mla_decode, q_latent, q_rope, cache, out, lse,
+        _mla_decode, q_latent, q_rope, cache, out, lse, k_scale,
         step=attn_metadata, derive=plan_args, name=layer_name,
     )  # fmt: skip
 
 
-def _mla_decode(q_latent, q_rope, cache, out, lse, *, plan: AttentionPlan) -> None:
-    mla_decode(q_latent, q_rope, cache, plan, out, lse=lse)
+def _mla_decode(q_latent, q_rope, cache, out, lse, k_scale, *, plan: AttentionPlan) -> None:
+    mla_decode(q_latent, q_rope, cache, plan, out, lse=lse, k_scale=k_scale)
 
 
 def run_mla_prefill(
@@ -183,13 +184,15 @@ def run_mla_prefill(
     attn_metadata: Any,
     *,
     layer_name: str,
+    k_scale: torch.Tensor | None = None,
 ) -> None:
-    """``mla_prefill`` of one layer (non-absorbed) as a task."""
+    """``mla_prefill`` of one layer (non-absorbed) as a task; an fp8 cache's scale is a
+    static argument."""
     call_task(
-        _mla_prefill, query, cache, kv_up_proj, out,
+        _mla_prefill, query, cache, kv_up_proj, out, k_scale,
         step=attn_metadata, derive=plan_args, name=layer_name,
     )  # fmt: skip
 
 
-def _mla_prefill(query, cache, kv_up_proj, out, *, plan: AttentionPlan) -> None:
-    mla_prefill(query, cache, plan, kv_up_proj, out)
+def _mla_prefill(query, cache, kv_up_proj, out, k_scale, *, plan: AttentionPlan) -> None:
+    mla_prefill(query, cache, plan, kv_up_proj, out, k_scale=k_scale)
