@@ -183,3 +183,56 @@ def test_device_slot_handling_needs_a_null_block(host_ascend) -> None:
     with pytest.raises(ValueError, match="slot_handling"):
         plan(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, batch.slot_mapping,
              DECODE.num_decodes, DECODE.spec, provider="reference", slot_handling="cpu")  # fmt: skip
+
+
+MLA_TARGET = "npu_attention.providers.ascend_mla:AscendMLAProvider"
+
+
+@pytest.fixture
+def host_ascend_mla():
+    register_provider("ascend", "ascend_mla_cases:HostAscendMLAProvider", family="mla")
+    yield "ascend"
+    register_provider("ascend", MLA_TARGET, family="mla")
+
+
+def _padded_view(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x`` ``[T, N, D]`` as the first ``N`` heads of a zeroed ``[T, heads, D]``."""
+    buffer = x.new_zeros(x.shape[0], heads, x.shape[2])
+    buffer[:, : x.shape[1]] = x
+    return buffer[:, : x.shape[1]]
+
+
+def test_mla_decode_reads_padded_heads_in_place(stand_in, host_ascend_mla, monkeypatch) -> None:
+    """16 query heads, which the fused op takes only as 32: given the first 16 heads of
+    zeroed 32-head buffers (``decode_heads``, as the bridge's MLA impl hands them), the
+    decode runs no aten work outside torch_npu's op but views, and equals the reference
+    provider; the op is handed the whole buffers, not copies."""
+    from ascend_mla_cases import MLA_CASES, MLA_TOLERANCE, build_mla_batch, run_mla_provider
+
+    from npu_attention import LatentCache, mla_decode, mla_write_cache
+    from npu_attention.registry import get_provider
+
+    case = next(c for c in MLA_CASES if c.name == "chunked_prefill")  # 16 heads, 2 decodes
+    batch = build_mla_batch(case)
+    heads = get_provider("ascend", family="mla").decode_heads(case.spec)
+    assert (case.num_heads, heads) == (16, 32)
+    step = plan(batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, batch.slot_mapping,
+                case.num_decodes, case.spec, provider=host_ascend_mla)  # fmt: skip
+    cache = LatentCache(batch.cache.kv_c.clone(), batch.cache.k_pe.clone())
+    mla_write_cache(batch.kv_c, batch.k_pe, cache, step)
+    q_latent, q_rope = (_padded_view(x, heads) for x in (batch.q_latent, batch.q_rope))
+    out = _padded_view(torch.zeros_like(batch.q_latent), heads)
+    mla_decode(q_latent, q_rope, cache, step, out)  # sizes the workspace
+    mode = _OutsideTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", _Counted(stand_in, mode))
+    with mode:
+        mla_decode(q_latent, q_rope, cache, step, out)
+    work = sorted({str(op) for op in mode.ops if not op.is_view})
+    assert not work, f"work inside the task besides torch_npu's ops: {work}"
+    first, second = stand_in.log.of("npu_fused_infer_attention_score_v2.out")
+    assert second.arguments["query"].data_ptr() == q_latent.data_ptr()
+    assert second.arguments["query"].shape[1] == heads
+    assert _tensor_arguments(first) == _tensor_arguments(second)
+    expected = run_mla_provider(batch, "reference").decode_out
+    rows = step.num_decode_tokens
+    assert max_error(out[:rows], expected[:rows]) < MLA_TOLERANCE[case.dtype]

@@ -175,6 +175,12 @@ class AscendMLAProvider(MLAProvider):
     def check_spec(self, spec: MLASpec) -> None:
         check_mla_spec(spec)
 
+    def decode_heads(self, spec: MLASpec, with_lse: bool = False) -> int:
+        """The head count the fused op (32, 64, 128) or, with the LSE, ATB's MLA (8, 16,
+        32, 64, 128) takes, at or above ``spec.num_heads``."""
+        counts = ATB_MLA_HEADS if with_lse else MLA_QUERY_HEADS
+        return next(h for h in counts if h >= spec.num_heads)
+
     def prepare(self, plan: AttentionPlan) -> AscendMLAStepData:
         require_cache(plan)
         n, nd = plan.num_actual_tokens, plan.num_decodes
@@ -262,8 +268,9 @@ class AscendMLAProvider(MLAProvider):
                 query, cache.kv_c, cache.kv_c, **kwargs
             )
             self._workspaces[shape_key] = workspace
-        direct = heads == spec.num_heads and out[:rows].is_contiguous()
-        result = out[:rows] if direct else query.new_empty(query.shape)
+        result = _heads_in_place(out[:rows], heads)
+        direct = result is not None
+        result = result if direct else query.new_empty(query.shape)
         npu.npu_fused_infer_attention_score_v2.out(
             query,
             cache.kv_c,
@@ -443,13 +450,34 @@ def _padded_heads(num_heads: int) -> int:
 
 
 def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """``x`` ``[T, N, D]`` as a contiguous ``[T, heads, D]``, zero rows appended."""
+    """``x`` ``[T, N, D]`` as a contiguous ``[T, heads, D]``: ``x`` itself, the whole
+    rows of the padded buffer ``x`` is a view of (``decode_heads``), or, for callers
+    that keep neither, a zero-padded copy (an eager step's; inside a graph task the copy
+    would run outside the graph on a task update)."""
     if x.shape[1] == heads:
         check_contiguous_rows(query=x)
         return x
+    whole = _heads_in_place(x, heads)
+    if whole is not None:
+        return whole
     padded = x.new_zeros(x.shape[0], heads, x.shape[2])
     padded[:, : x.shape[1]] = x
     return padded
+
+
+def _heads_in_place(x: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """``[T, heads, D]`` over the same memory when ``x`` ``[T, N, D]`` is contiguous
+    (``N == heads``) or the first ``N`` heads of a contiguous ``[T, heads, D]``; else
+    None."""
+    rows, _, width = x.shape
+    if x.shape[1] == heads:
+        return x if x.is_contiguous() else None
+    if x.stride() != (heads * width, width, 1):
+        return None
+    end = x.storage_offset() + rows * heads * width
+    if end * x.element_size() > x.untyped_storage().nbytes():
+        return None
+    return x.as_strided((rows, heads, width), x.stride())
 
 
 def _check_planes(cache: LatentCache) -> None:

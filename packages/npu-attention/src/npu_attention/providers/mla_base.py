@@ -72,6 +72,14 @@ class MLAProvider(ABC):
         """Scatter ``kv_c`` ``[tokens, L]`` and ``k_pe`` ``[tokens, R]`` into ``cache`` at
         ``plan.slot_mapping``; slots ``< 0`` and tokens past ``num_actual_tokens`` are skipped."""
 
+    def decode_heads(self, spec: MLASpec, with_lse: bool = False) -> int:
+        """Query heads the decode kernel reads per row (``spec.num_heads`` unless the
+        kernel takes only some head counts). A caller whose ``q_latent``, ``q_rope`` and
+        ``out`` are the first ``spec.num_heads`` heads of contiguous ``[rows,
+        decode_heads, D]`` buffers (the rest zero) lets the provider read and write them
+        in place, with no copy inside a graph task."""
+        return spec.num_heads
+
     @abstractmethod
     def decode(
         self,
