@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -21,9 +22,11 @@ from pathlib import Path
 from servers import Server, _wait_until_healthy, free_port
 
 LOOPBACK = "127.0.0.1"
-# A follower whose leader is gone waits in its collectives and does not finish its
-# shutdown by itself; what is left of a group after this long is killed.
-STOP_GRACE_S = 10
+# How long a node may take to stop on SIGTERM. A follower's worker waits in a collective
+# for its gone peers: vLLM's executor waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for it,
+# then SIGTERM, 4 s, SIGKILL.
+STOP_TIMEOUT_S = 30
+WORKER_SHUTDOWN_TIMEOUT_S = "1"
 
 _BINDING = re.compile(
     r"VLLM_CPU_OMP_THREADS_BIND='(?P<mask>[^']*)'.*?local_world_size=(?P<local>\d+).*?"
@@ -47,11 +50,13 @@ class Binding:
 
 @dataclass
 class Nodes:
-    """The running leader (its API) and both nodes' logs and process groups."""
+    """The running leader (its API), both nodes' logs and process groups, and once
+    stopped, what was still alive in them after SIGTERM (killed then)."""
 
     server: Server
     logs: list[Path]
     groups: list[int]
+    left_after_sigterm: list[str] | None = None
 
 
 def _ids(text: str) -> list[int]:
@@ -100,35 +105,51 @@ def serve_two_nodes(
         ["--node-rank", "0", "--host", LOOPBACK, "--port", str(port)],
         ["--node-rank", "1", "--headless"],
     ]
-    environment = dict(os.environ, NPU_BRIDGE_DEVICE="cpu", VLLM_HOST_IP=LOOPBACK, **(env or {}))
+    environment = dict(
+        os.environ,
+        NPU_BRIDGE_DEVICE="cpu",
+        VLLM_HOST_IP=LOOPBACK,
+        VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=WORKER_SHUTDOWN_TIMEOUT_S,
+        **(env or {}),
+    )
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", *unset):  # served as users run it
         environment.pop(name, None)
     logs = [directory / f"node{rank}.log" for rank in range(len(roles))]
     procs: list[subprocess.Popen] = []
+    nodes = None
     try:
         for role, log in zip(roles, logs):
             procs.append(_start(common + role, environment, log))
         server = Server(f"http://{LOOPBACK}:{port}", str(model), logs[0])
         _wait_until_healthy(procs[0], server)
         assert procs[1].poll() is None, f"follower exited:\n{logs[1].read_text()[-6000:]}"
-        yield Nodes(server, logs, [proc.pid for proc in procs])
+        nodes = Nodes(server, logs, [proc.pid for proc in procs])
+        yield nodes
     finally:
-        stop_all(procs)
+        left = stop_all(procs)
+        if nodes is not None:
+            nodes.left_after_sigterm = left
 
 
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every node's process group at once, SIGKILL what is left of them after
-    ``STOP_GRACE_S``, and reap the nodes' main processes."""
+def stop_all(procs: list[subprocess.Popen]) -> list[str]:
+    """SIGTERM every node's process group at once, as a user stops each node; wait up to
+    ``STOP_TIMEOUT_S`` for the groups to empty, then SIGKILL what is left and reap the
+    nodes' main processes. Returns what was left after SIGTERM (``live_members``)."""
     for proc in procs:
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        with suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=STOP_GRACE_S)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    left = [member for proc in procs for member in live_members(proc.pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        for proc in procs:
+            proc.poll()  # reap a main process that has exited
+        left = [member for proc in procs for member in live_members(proc.pid)]
     for proc in procs:
         with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=STOP_GRACE_S)
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    return left
 
 
 def live_members(group: int) -> list[str]:

@@ -104,6 +104,7 @@ def test_two_nodes_equal_transformers(llama, tmp_path, layout, graphs):
         ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool,
     ):
         tokens = list(pool.map(lambda i: _complete(nodes.server, i), range(len(PROMPTS))))
+    assert nodes.left_after_sigterm == [], "alive after SIGTERM, killed"
     for group in nodes.groups:
         assert live_members(group) == [], f"left running: {live_members(group)}"
     assert tokens == hf
