@@ -15,7 +15,6 @@ replays. Once stopped, neither node's process group may hold a live process.
 from __future__ import annotations
 
 import json
-import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,16 +76,25 @@ def _physical_cores(cpus: list[int]) -> set[int]:
     return {core_of[cpu] for cpu in cpus}
 
 
+def _first_numa_node_cpus() -> list[int]:
+    """The CPUs of the first NUMA node this process may use: what vLLM's ``auto``
+    binding gives a node's only worker (every CPU of a host of one NUMA node)."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_visible_memory_node
+
+    first = get_visible_memory_node()[0]
+    return [cpu.id for cpu in get_allowed_cpu_list() if cpu.numa_node == first]
+
+
 def _check_node_binding(log) -> None:
-    """One worker on the node, bound by vLLM's ``auto`` to the node's cores (every
-    physical core of this host, both nodes being on it) less those vLLM reserves."""
+    """One worker on the node, bound by vLLM's ``auto`` to the node's cores (both nodes
+    run on this host) less those vLLM reserves for its own processes."""
     binding = logged_binding(log)
     summary = f"{log.name}: {binding}"
     assert binding.mask == "auto", summary  # one rank per node: the bridge sets nothing
     assert binding.local_world_size == 1 and list(binding.ranks) == [0], summary
     worker = binding.ranks[0]
     assert worker and not set(worker) & set(binding.reserved), summary
-    node_cores = _physical_cores(sorted(os.sched_getaffinity(0)))
+    node_cores = _physical_cores(_first_numa_node_cpus())
     assert _physical_cores(worker + binding.reserved) == node_cores, summary
 
 
