@@ -150,3 +150,17 @@ def test_bad_scales_are_refused_before_anything_is_written(kind, k_scale, error,
     for old, new in zip(before, paged.cache):
         assert torch.equal(old.view(torch.uint8), new.view(torch.uint8))
     assert (out == -3.0).all()
+
+
+def test_a_provider_without_the_kind_is_refused_by_plan(monkeypatch):
+    """The Triton MLA provider keeps an ``auto`` latent cache: ``plan`` names what it takes."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = _spec("fp8")
+    case = make_mla_case(spec, [1], [5], 1)
+    with pytest.raises(
+        ValueError,
+        match=r"attention provider 'triton' does not support kv_cache_dtype='fp8'; "
+        r"it takes \['auto'\]",
+    ):
+        plan(case.cu_seqlens_q, case.seq_lens, [[1]], [5], 1, spec, provider="triton")

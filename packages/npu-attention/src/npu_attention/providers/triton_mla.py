@@ -133,6 +133,7 @@ class TritonMLAProvider(ReferenceMLAProvider):
     name: ClassVar[str] = "triton"
     device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     returns_lse: ClassVar[bool] = True
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)  # latent rows in the model dtype
 
     def __init__(self) -> None:
         # The settings taken after measuring on an H100; benchmarks/README.md lists the
