@@ -1,0 +1,465 @@
+"""Soak: vLLM's OpenAI-compatible server in host mode at vLLM's defaults, under mixed
+load, for a bounded time; resident memory and KV-cache use over time, server errors,
+and greedy probe answers before and after the load.
+
+The server is started as ``docs/serving.md`` starts it (``tests-integration/servers.py``:
+``python -m vllm.entrypoints.openai.api_server`` with ``NPU_BRIDGE_DEVICE=cpu`` on a free
+port of 127.0.0.1, its own process group, stopped as one): SmolLM2-135M-Instruct (the
+fp32 checkpoint of ``examples/smollm2.py``), ``--max-model-len 2048``, no graph,
+compilation or eager flag (torch.compile on, FULL_AND_PIECEWISE graphs, vLLM's default
+``max_num_seqs``), and a KV cache of ``--kv-tokens`` tokens
+(``--kv-cache-memory-bytes``), smaller than the load needs, so that requests are
+preempted.
+
+``--clients`` threads send requests until ``--duration`` seconds or ``--max-requests``
+requests have passed, each drawn at random (``--seed``) from:
+
+* ``stream``: a streamed chat completion (16 to 128 tokens), read to its end;
+* ``drop``: a streamed chat completion closed by the client after two chunks;
+* ``long``: a completion whose prompt (random token ids) and answer reach to within 16
+  tokens of ``max_model_len``;
+* ``chat``: a chat completion, not streamed;
+* ``bad``: a prompt longer than ``max_model_len``, a negative ``max_tokens``, malformed
+  JSON, an unknown model or a non-numeric temperature: each must get a 4xx answer.
+
+Every ``--probe-every`` seconds the clients pause, in-flight requests finish, and
+four fixed greedy chat probes are sent one at a time; every probe round must answer
+exactly what the first round did (sent after start-up, before any load). A sampler
+reads, every ``--sample-every`` seconds, the resident memory of the server's process
+tree (API server, engine core and workers; shared pages counted once per process) and
+vLLM's ``/metrics`` (``vllm:kv_cache_usage_perc``, running and waiting requests,
+``vllm:num_preemptions_total``). Loopback only; it stops by itself.
+
+    python benchmarks/soak_server.py --duration 1200
+
+Prints a table (the samples at start, after ``--warmup`` seconds of load, and at the
+end; requests by kind and status; probes) and writes
+``benchmarks/results/soak_server.json``. Exits 1 on a 5xx answer, a failed connection,
+a good request that failed, a bad one that did not get a 4xx, or a changed probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import random
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "tests-integration"))
+
+KINDS = {"stream": 4, "drop": 2, "long": 3, "chat": 1, "bad": 2}  # relative weights
+PROBES = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give one tip for writing clear code.",
+    "List the planets of the solar system in order from the sun.",
+)
+PROBE_TOKENS = 32
+REQUEST_TIMEOUT_S = 600
+VOCAB = range(100, 49000)  # SmolLM2's ordinary tokens (49,152 in all)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=1200, help="seconds of load")
+    parser.add_argument("--warmup", type=float, default=180, help="seconds of load before 'warm'")
+    parser.add_argument("--max-requests", type=int, default=20000)
+    parser.add_argument("--clients", type=int, default=8, help="concurrent client threads")
+    parser.add_argument("--probe-every", type=float, default=240, help="seconds between probes")
+    parser.add_argument("--sample-every", type=float, default=10)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-tokens", type=int, default=2560, help="KV cache size in tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks/results/soak_server.json")
+    args = parser.parse_args(argv)
+    if args.duration <= 0 or args.clients < 1 or args.max_requests < 1:
+        parser.error("--duration, --clients and --max-requests must be positive")
+    if args.kv_tokens < args.max_model_len:
+        parser.error(f"--kv-tokens must hold one request of {args.max_model_len} tokens")
+    return args
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """K and V of every layer for one token, float32 (the server's dtype)."""
+    config = json.loads((model / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * heads * head_dim * 4
+
+
+# --- requests --------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    kind: str
+    status: int | str  # HTTP status, or "dropped", or the exception's name
+    ok: bool  # what the kind expects (2xx; for ``bad`` a 4xx; ``drop`` closed early)
+    seconds: float
+
+
+class Client:
+    """HTTP to the server on loopback, one connection per request."""
+
+    def __init__(self, port: int, model: str) -> None:
+        self.port, self.model = port, model
+
+    def _send(self, path: str, body: bytes) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        return conn.getresponse()
+
+    def post(self, path: str, payload: dict | bytes) -> tuple[int, bytes]:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        reply = self._send(path, body)
+        try:
+            return reply.status, reply.read()
+        finally:
+            reply.close()
+
+    def stream(self, payload: dict, chunks: int | None) -> tuple[int | str, int]:
+        """POST a streamed request; read ``chunks`` SSE events and close (None: all).
+        Returns the status (``"dropped"`` when closed early) and the events read."""
+        reply = self._send("/v1/chat/completions", json.dumps(payload).encode())
+        events = 0
+        try:
+            if reply.status != 200:
+                reply.read()
+                return reply.status, 0
+            for line in reply:
+                if not line.startswith(b"data: "):
+                    continue
+                if line.strip() == b"data: [DONE]":
+                    return 200, events
+                events += 1
+                if chunks is not None and events >= chunks:
+                    return "dropped", events
+            return "truncated", events  # the server ended the stream without [DONE]
+        finally:
+            reply.close()  # closes the socket: the server sees the client go
+
+    def chat(self, content: str, max_tokens: int, stream: bool = False) -> dict:
+        return {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": stream,
+        }
+
+
+def bad_request(client: Client, rng: random.Random, max_model_len: int) -> tuple[int, bytes]:
+    """One of five requests the server must refuse with a 4xx."""
+    choice = rng.randrange(5)
+    if choice == 0:
+        prompt = [rng.choice(VOCAB) for _ in range(max_model_len + 50)]
+        body = {"model": client.model, "prompt": prompt, "max_tokens": 8}
+        return client.post("/v1/completions", body)
+    if choice == 1:
+        return client.post("/v1/chat/completions", client.chat("Hello", -1))
+    if choice == 2:
+        return client.post("/v1/chat/completions", b'{"model": "x", "messages": [{"role":')
+    if choice == 3:
+        return client.post("/v1/chat/completions", {**client.chat("Hello", 8), "model": "nope"})
+    return client.post("/v1/chat/completions", {**client.chat("Hello", 8), "temperature": "hot"})
+
+
+def one_request(
+    client: Client, kind: str, rng: random.Random, max_model_len: int
+) -> tuple[int | str, bool]:
+    """Send one request of ``kind``; its status and whether it is what the kind expects."""
+    question = rng.choice((*PROBES, "Tell me a story about a lighthouse keeper."))
+    if kind == "stream":
+        status, _ = client.stream(client.chat(question, rng.randint(16, 128), True), None)
+        return status, status == 200
+    if kind == "drop":
+        status, _ = client.stream(client.chat(question, 256, True), 2)
+        return status, status == "dropped"
+    if kind == "long":
+        max_tokens = rng.randint(16, 32)
+        length = max_model_len - max_tokens - rng.randint(1, 16)
+        prompt = [rng.choice(VOCAB) for _ in range(length)]
+        body = {"model": client.model, "prompt": prompt, "max_tokens": max_tokens}
+        status, _ = client.post("/v1/completions", {**body, "temperature": 0.0})
+        return status, status == 200
+    if kind == "chat":
+        status, _ = client.post("/v1/chat/completions", client.chat(question, rng.randint(8, 64)))
+        return status, status == 200
+    status, _ = bad_request(client, rng, max_model_len)
+    return status, 400 <= status < 500
+
+
+# --- load, probes, samples -------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """Shared state of the client threads."""
+
+    deadline: float
+    max_requests: int
+    running: threading.Event = field(default_factory=threading.Event)
+    idle: threading.Condition = field(default_factory=threading.Condition)
+    in_flight: int = 0
+    sent: int = 0
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return time.monotonic() >= self.deadline or self.sent >= self.max_requests
+
+    def take_turn(self) -> bool:
+        """Wait while paused; count one request in flight. False when the load is over."""
+        while not self.done():
+            if not self.running.wait(timeout=1.0):
+                continue
+            with self.idle:
+                if not self.running.is_set() or self.done():
+                    continue
+                self.in_flight += 1
+                self.sent += 1
+                return True
+        return False
+
+    def finish(self, outcome: Outcome) -> None:
+        with self.idle:
+            self.outcomes.append(outcome)
+            self.in_flight -= 1
+            self.idle.notify_all()
+
+    def pause(self) -> None:
+        """Stop handing out turns and wait for the requests in flight."""
+        self.running.clear()
+        with self.idle:
+            self.idle.wait_for(lambda: self.in_flight == 0)
+
+
+def client_loop(load: Load, client: Client, seed: int, max_model_len: int) -> None:
+    rng = random.Random(seed)
+    kinds, weights = list(KINDS), list(KINDS.values())
+    while load.take_turn():
+        kind = rng.choices(kinds, weights)[0]
+        start = time.monotonic()
+        try:
+            status, ok = one_request(client, kind, rng, max_model_len)
+        except Exception as error:  # a failed connection, a reply that is not HTTP
+            status, ok = type(error).__name__, False
+        load.finish(Outcome(kind, status, ok, time.monotonic() - start))
+
+
+def probe(client: Client) -> list[list[int]]:
+    """The fixed greedy chat probes, one at a time; their answers' token ids."""
+    answers = []
+    for question in PROBES:
+        body = {**client.chat(question, PROBE_TOKENS), "return_token_ids": True}
+        status, reply = client.post("/v1/chat/completions", body)
+        if status != 200:
+            raise RuntimeError(f"probe {question!r} got HTTP {status}: {reply[:300]!r}")
+        answers.append(json.loads(reply)["choices"][0]["token_ids"])
+    return answers
+
+
+def server_process():
+    """The server started by ``serve`` (this process's one child) as a psutil Process."""
+    import psutil
+
+    children = [
+        p
+        for p in psutil.Process().children()
+        if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())
+    ]
+    if len(children) != 1:
+        raise RuntimeError(f"expected one server process, found {len(children)}")
+    return children[0]
+
+
+def tree_rss(process) -> int:
+    """Resident bytes of ``process`` and every process below it."""
+    import psutil
+
+    total = 0
+    for p in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += p.memory_info().rss
+    return total
+
+
+METRICS = {
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_preemptions_total": "preemptions",
+}
+
+
+def read_metrics(port: int) -> dict[str, float]:
+    """The ``METRICS`` of vLLM's Prometheus endpoint, summed over their label sets."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    values: Counter = Counter()
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in METRICS:
+            values[METRICS[name]] += float(line.rsplit(" ", 1)[1])
+    return dict(values)
+
+
+def sampler(port: int, process, started: float, samples: list, stop: threading.Event, every: float):
+    import psutil
+
+    while True:
+        try:
+            sample = {"t": round(time.monotonic() - started, 1), "rss": tree_rss(process)}
+            sample.update(read_metrics(port))
+            samples.append(sample)
+        except (OSError, psutil.Error) as error:  # the server is gone: the outcomes say so
+            samples.append({"t": round(time.monotonic() - started, 1), "error": repr(error)})
+        if stop.wait(every):
+            return
+
+
+# --- the run ---------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict:
+    from servers import serve
+    from smollm2 import smollm2_checkpoint
+
+    model = smollm2_checkpoint()
+    kv_bytes = args.kv_tokens * kv_bytes_per_token(model)
+    server_args = [
+        "--dtype", "float32", "--max-model-len", str(args.max_model_len),
+        "--kv-cache-memory-bytes", str(kv_bytes), "--seed", str(args.seed),
+    ]  # fmt: skip
+    log = args.output.with_suffix(".server.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    launched = time.monotonic()
+    with serve(model, server_args, log) as server:
+        start_seconds = time.monotonic() - launched
+        port = int(server.url.rsplit(":", 1)[1])
+        client, process = Client(port, server.model), server_process()
+        samples: list[dict] = []
+        stop = threading.Event()
+        started = time.monotonic()
+        watcher = threading.Thread(
+            target=sampler, args=(port, process, started, samples, stop, args.sample_every)
+        )
+        watcher.start()
+        try:
+            baseline = probe(client)
+            load = Load(deadline=time.monotonic() + args.duration, max_requests=args.max_requests)
+            threads = [
+                threading.Thread(target=client_loop, args=(load, client, args.seed + i, args.max_model_len))
+                for i in range(args.clients)
+            ]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            rounds = drive(load, client, baseline, args.probe_every)  # ends with a probe
+            for thread in threads:
+                thread.join()
+        finally:
+            stop.set()
+            watcher.join()
+        samples.append(
+            {
+                "t": round(time.monotonic() - started, 1),
+                "rss": tree_rss(process),
+                **read_metrics(port),
+            }
+        )
+    return summarize(args, start_seconds, kv_bytes, baseline, rounds, load, samples)
+
+
+def drive(load: Load, client: Client, baseline: list, every: float) -> list[dict]:
+    """Run the load in stretches of ``every`` seconds, probing after each; returns the
+    probe rounds (time, whether the answers equal ``baseline``)."""
+    rounds = []
+    started = time.monotonic()
+    while not load.done():
+        load.running.set()
+        next_probe = time.monotonic() + every
+        while time.monotonic() < next_probe and not load.done():
+            time.sleep(1.0)
+        load.pause()
+        answers = probe(client)
+        rounds.append({"t": round(time.monotonic() - started, 1), "same": answers == baseline})
+        if answers != baseline:
+            rounds[-1]["answers"] = answers
+    return rounds
+
+
+def summarize(args, start_seconds, kv_bytes, baseline, rounds, load: Load, samples) -> dict:
+    outcomes = load.outcomes
+    by_kind: dict[str, Counter] = {}
+    for o in outcomes:
+        by_kind.setdefault(o.kind, Counter())[str(o.status)] += 1
+    server_errors = sum(1 for o in outcomes if isinstance(o.status, int) and o.status >= 500)
+    failed = [o for o in outcomes if not o.ok]
+    good = [s for s in samples if "rss" in s]
+    warm = next((s for s in good if s["t"] >= args.warmup), good[-1])
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "server_start_seconds": round(start_seconds, 1),
+        "kv_cache_bytes": kv_bytes,
+        "requests": len(outcomes),
+        "by_kind": {kind: dict(c) for kind, c in by_kind.items()},
+        "server_errors_5xx": server_errors,
+        "not_as_expected": len(failed),
+        "not_as_expected_examples": [vars(o) for o in failed[:10]],
+        "probe_baseline": baseline,
+        "probe_rounds": rounds,
+        "probes_unchanged": all(r["same"] for r in rounds),
+        "samples": samples,
+        "marks": {"start": good[0], "warm": warm, "end": good[-1]},
+    }
+
+
+def report(result: dict) -> None:
+    mib = 2**20
+    print(
+        f"server start {result['server_start_seconds']} s, KV cache {result['kv_cache_bytes'] / mib:.0f} MiB"
+    )
+    print(
+        f"{'mark':6} {'t (s)':>7} {'RSS (MiB)':>10} {'KV use':>7} {'running':>8} {'waiting':>8} {'preempt':>8}"
+    )
+    for mark, s in result["marks"].items():
+        print(
+            f"{mark:6} {s['t']:7.0f} {s['rss'] / mib:10.0f} {s.get('kv_usage', 0):7.2f} "
+            f"{s.get('running', 0):8.0f} {s.get('waiting', 0):8.0f} {s.get('preemptions', 0):8.0f}"
+        )
+    peak = max(s["rss"] for s in result["samples"] if "rss" in s)
+    kv_peak = max(s.get("kv_usage", 0) for s in result["samples"])
+    print(f"peak RSS {peak / mib:.0f} MiB, peak KV use {kv_peak:.2f}")
+    print(f"requests {result['requests']}:")
+    for kind, statuses in sorted(result["by_kind"].items()):
+        print(f"  {kind:7} {dict(sorted(statuses.items()))}")
+    print(f"5xx answers {result['server_errors_5xx']}, not as expected {result['not_as_expected']}")
+    rounds = result["probe_rounds"]
+    print(f"probe rounds {len(rounds)}, all equal to the first: {result['probes_unchanged']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    args.output.write_text(json.dumps(result, indent=1))
+    report(result)
+    print(f"wrote {args.output}")
+    passed = (
+        result["server_errors_5xx"] == 0
+        and result["not_as_expected"] == 0
+        and result["probes_unchanged"]
+    )
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
