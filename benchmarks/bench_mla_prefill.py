@@ -13,6 +13,8 @@ them as contiguous ``[batch, heads, seq, width]`` tensors under torch's own choi
 (``default``), cuDNN, FlashAttention-2 and the memory-efficient kernel (``n/a`` where
 a backend refuses: flash takes only equal widths). FLOPs count the (query, key) pairs
 the causal mask keeps, 2 x (192 + 128) per pair and head.
+All attention kernels are timed in 3 interleaved rounds (median; ``spread_%``: the
+rounds' max - min over it).
 
 The ``layer`` row is ``mla_prefill`` as a model calls it (the tokens' latents read
 from the cache, up-projected by a bf16 linear layer of 512 -> heads x 256, then the
@@ -190,17 +192,24 @@ def _peer_runner(backend: str, fn):
 
 
 def attention_rows(problem: Problem) -> tuple[list[dict[str, Any]], str]:
+    """Every kernel timed in interleaved rounds (a prefill holds the GPU at its power
+    limit, so a kernel timed first, before the clock settles, would read faster)."""
     expected = problem.as_rows(problem.sdpa("default")()).float()
-    rows, times = [], {}
     kernels = {"triton": problem.gluon() or problem.portable(), "portable": problem.portable()}
-    for name, run in kernels.items():
-        error = (run().float() - expected).abs().max().item()
-        times[name] = _timing.median_ms(run)
-        rows.append({"kernel": name, "ms": times[name], "max_err": error})
+    errors = {name: (run().float() - expected).abs().max().item() for name, run in kernels.items()}
+    peers_run = {backend: problem.sdpa(backend) for backend in SDPA_BACKENDS}
+    runnable = {name: run for name, run in {**kernels, **peers_run}.items() if run is not None}
+    timed = _timing.interleaved_median_ms(runnable)
+    times = {name: timed[name][0] if name in timed else None for name in runnable | peers_run}
+    rows = [
+        {"kernel": name, "ms": times[name], "spread_%": timed[name][1], "max_err": errors[name]}
+        for name in kernels
+    ]
     for backend in SDPA_BACKENDS:
-        run = problem.sdpa(backend)
-        times[backend] = _timing.median_ms(run) if run is not None else None
-        rows.append({"kernel": f"sdpa {backend}", "ms": times[backend] or "n/a"})
+        spread = timed[backend][1] if backend in timed else "n/a"
+        rows.append(
+            {"kernel": f"sdpa {backend}", "ms": times[backend] or "n/a", "spread_%": spread}
+        )
     peers = {name: ms for name, ms in times.items() if name in SDPA_BACKENDS and ms is not None}
     best = min(peers, key=peers.get)
     for row in rows:
@@ -232,7 +241,7 @@ def main() -> None:
     rows, best = attention_rows(problem)
     layer = layer_rows(problem, best)
     print(f"attention ({args.batch} x {args.query_len}, {args.heads} heads, 192 / 128):")
-    _timing.print_table(["kernel", "ms", "TFLOP/s", "vs_best_sdpa", "max_err"], rows)
+    _timing.print_table(["kernel", "ms", "TFLOP/s", "vs_best_sdpa", "spread_%", "max_err"], rows)
     print("\nlayer (gather + up-projection + attention):")
     _timing.print_table(["kernel", "ms", "vs_torch", "max_err"], layer)
     _timing.write_json(

@@ -65,13 +65,14 @@ def test_rows_a_descriptor_cannot_take_are_refused() -> None:
 
 
 def test_output_goes_through_shared_memory_where_it_fits() -> None:
-    """Two 64-row output tiles beside the query tile and the K/V stages in 224 KiB."""
+    """Two 64-row output tiles beside the query tile and the K/V stages in 224 KiB:
+    whole rows, half rows (stored in two halves of columns) or none."""
     hopper = pytest.importorskip("npu_attention.providers.triton_kernels.hopper_prefill")
-    assert hopper.output_tile_fits(128, 128, 128, 2)
-    assert hopper.output_tile_fits(64, 64, 128, 3)
-    assert not hopper.output_tile_fits(128, 128, 128, 3)
-    assert not hopper.output_tile_fits(192, 128, 128, 2)  # MLA's widths
-    assert not hopper.output_tile_fits(256, 256, 64, 2)
+    assert hopper.output_tile_cols(128, 128, 128, 2) == 128
+    assert hopper.output_tile_cols(64, 64, 128, 3) == 64
+    assert hopper.output_tile_cols(128, 128, 128, 3) == 0
+    assert hopper.output_tile_cols(192, 128, 128, 2) == 64  # MLA's widths
+    assert hopper.output_tile_cols(256, 256, 64, 2) == 128
 
 
 # ---------------------------------------------------------------- Hopper GPU

@@ -14,9 +14,11 @@ kernel orders the work itself, in the way FlashAttention-3 does on Hopper:
   fetches the next pair's tiles while the consumers finish the current one;
 - where shared memory has room for it (head sizes 64 and 128 at 2 stages), each
   consumer writes its 64 finished rows into a shared-memory tile that the
-  tensor-memory accelerator stores while the consumer goes on to its next pair
-  (rows of a request's last, partial tile are stored from registers, row by row
-  masked, so that the next request's rows stay untouched).
+  tensor-memory accelerator stores while the consumer goes on to its next pair;
+  where only half of that tile fits (192 / 128 and 256 at 2 stages), the rows go
+  through it in two halves of columns, the second store left running (rows of a
+  request's last, partial tile are stored from registers, row by row masked, so that
+  the next request's rows stay untouched).
 
 It covers what a prefill without cached context needs: causal or not, any number of
 requests packed along the token axis (varlen), GQA, head sizes 64/128/256 (16-bit),
@@ -143,10 +145,10 @@ def hopper_prefill(
     write_lse = lse is not None
     lse_arg, lse_strides = (lse, tuple(lse.stride())) if write_lse else (out, (0, 0))
     value_size = value.shape[-1]
-    tma_out = output_tile_fits(head_size, value_size, block_n, stages)
-    tma_out = tma_out and _rows_take_descriptor(out, query.dtype, value_size)
+    out_cols = output_tile_cols(head_size, value_size, block_n, stages)
+    tma_out = out_cols > 0 and _rows_take_descriptor(out, query.dtype, value_size)
     # Without the output tile this is the value descriptor again, never read.
-    o_desc = _row_descriptor(out, ROWS_PER_CONSUMER, value_size, dtype) if tma_out else v_desc
+    o_desc = _row_descriptor(out, ROWS_PER_CONSUMER, out_cols, dtype) if tma_out else v_desc
     num_slots = num_tokens // BLOCK_M + num_reqs
     num_pairs = num_slots * num_heads
     grid = (min(num_pairs, multiprocessor_count(query.device)),)
@@ -191,14 +193,18 @@ def max_stages(head_size: int, value_size: int, block_n: int) -> int:
     return (_SHARED_BYTES - query_bytes) // (block_n * (head_size + value_size) * 2)
 
 
-def output_tile_fits(head_size: int, value_size: int, block_n: int, stages: int) -> bool:
-    """Whether the two consumers' output tiles (64 rows of ``value_size`` each, 16-bit)
-    fit in ``_SHARED_BYTES`` beside the query tile and ``stages`` K/V stages: head sizes
-    64 and 128 at 2 stages; not 128 at 3 stages, 192 / 128 or 256."""
+def output_tile_cols(head_size: int, value_size: int, block_n: int, stages: int) -> int:
+    """Columns of the two consumers' output tiles (64 rows each, 16-bit) that fit in
+    ``_SHARED_BYTES`` beside the query tile and ``stages`` K/V stages: ``value_size``
+    (head sizes 64 and 128 at 2 stages), half of it (192 / 128 and 256 at 2 stages: a
+    consumer's rows then go through the tile in two halves of columns), or 0 (none fits:
+    128 at 3 stages; the rows are stored from registers)."""
     query_bytes = BLOCK_M * head_size * 2
     stage_bytes = block_n * (head_size + value_size) * 2
-    out_bytes = BLOCK_M * value_size * 2
-    return query_bytes + stages * stage_bytes + out_bytes <= _SHARED_BYTES
+    for cols in (value_size, value_size // 2):
+        if query_bytes + stages * stage_bytes + BLOCK_M * cols * 2 <= _SHARED_BYTES:
+            return cols
+    return 0
 
 
 def _row_descriptor(t: torch.Tensor, rows: int, cols: int, dtype) -> "TensorDescriptor":
@@ -219,7 +225,7 @@ if HAVE_GLUON:
         write_lse: gl.constexpr
         queries_per_kv: gl.constexpr
         tail: gl.constexpr  # query/key columns past the first power of two (0, or 64 at 192)
-        tma_out: gl.constexpr  # full output tiles go through shared memory and TMA
+        tma_out: gl.constexpr  # full output tiles go through shared memory and TMA stores
 
         @gluon.constexpr_function
         def __init__(self, causal, write_lse, queries_per_kv, tail, tma_out):
@@ -468,19 +474,27 @@ if HAVE_GLUON:
         TMA_OUT: gl.constexpr,
     ):  # fmt: skip
         """Normalize and write a half's rows of ``out`` (and of ``lse``): with
-        ``TMA_OUT``, a tile of rows all within the request through ``o_smem`` and one
-        TMA store left running (the tile before it finished first); else from registers."""
+        ``TMA_OUT``, a tile of rows all within the request through ``o_smem`` (whole, or
+        in two halves of columns where ``o_smem`` holds half a row) and the last TMA
+        store left running (the tile before it finished first); else from registers."""
         o_layout: gl.constexpr = o.type.layout
         rows: gl.constexpr = o.type.shape[0]
         HEAD: gl.constexpr = o.type.shape[1]
+        OUT_COLS: gl.constexpr = o_smem.type.shape[1]
         o = o / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         o = o.to(out_ptr.dtype.element_ty)
         if TMA_OUT:
             if first_row + rows <= q_len:
-                tma.store_wait(0)
-                o_smem.store(o)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [q_start + first_row, head * HEAD], o_smem)
+                token = q_start + first_row
+                if OUT_COLS == HEAD:
+                    _store_tile(o, o_desc, o_smem, token, head * HEAD)
+                else:
+                    # Column c of o is 2 * (c % OUT_COLS) + c // OUT_COLS of the permuted
+                    # view: a split in registers (the halves' columns are register bits).
+                    halves = gl.permute(gl.reshape(o, [rows, 2, OUT_COLS]), (0, 2, 1))
+                    o_lo, o_hi = gl.split(halves)
+                    _store_tile(o_lo, o_desc, o_smem, token, head * HEAD)
+                    _store_tile(o_hi, o_desc, o_smem, token, head * HEAD + OUT_COLS)
             else:
                 _store_masked(o, out_ptr, q_start, first_row, q_len, head, stride_ot, stride_oh)
         else:
@@ -490,6 +504,15 @@ if HAVE_GLUON:
             lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
             lse_token = (q_start + row_pos).to(gl.int64)
             gl.store(lse_ptr + lse_token * stride_lt + head * stride_lh, lse, mask=row_pos < q_len)
+
+    @gluon.jit
+    def _store_tile(o, o_desc, o_smem, token, col):
+        """``o`` into ``o_smem`` once the store before has read it, then its TMA store to
+        rows from ``token``, columns from ``col`` (left running)."""
+        tma.store_wait(0)
+        o_smem.store(o)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [token, col], o_smem)
 
     @gluon.jit
     def _store_masked(o, out_ptr, q_start, first_row, q_len, head, stride_ot, stride_oh):
@@ -526,7 +549,8 @@ if HAVE_GLUON:
             qt_smem = q_smem
             kt_smem = k_smem
         if TMA_OUT:
-            o_smem = gl.allocate_shared_memory(dtype, [2, rows, HEAD_V], o_desc.layout)
+            OUT_COLS: gl.constexpr = o_desc.block_type.shape[1]
+            o_smem = gl.allocate_shared_memory(dtype, [2, rows, OUT_COLS], o_desc.layout)
         else:  # never read
             o_smem = q_smem
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
