@@ -22,6 +22,7 @@ from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm_builds import needs_vllm_cpu_platform
 
 from npu_attention import BatchState
 from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
@@ -195,6 +196,7 @@ def _capture_metadata(model_layers):
     return _builder(config, names).build_for_cudagraph_capture(common)
 
 
+@needs_vllm_cpu_platform
 def test_capture_build_plans_the_longest_context(model_layers):
     metadata = _capture_metadata(model_layers)
     assert metadata.plan.seq_lens_host == [8 * BLOCK_SIZE] * 3

@@ -26,6 +26,7 @@ from dcp_steps import (
     Step,
     gloo_rank,
 )
+from vllm_builds import needs_vllm_cpu_platform
 
 from npu_attention import dcp_local_seq_lens
 from npu_attention.context_parallel import dcp_slot_mapping
@@ -196,6 +197,7 @@ def _common(query_lens, seq_lens, width, pad_tokens=0):
     )
 
 
+@needs_vllm_cpu_platform
 @pytest.mark.parametrize("rank", range(DCP))
 def test_builder_plans_the_rank_share_padded_requests_get_zero(rank, monkeypatch):
     """A FULL-graph padded decode batch (two requests of length 0 at the end): the

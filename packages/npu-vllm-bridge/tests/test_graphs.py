@@ -22,6 +22,7 @@ from bridge_batches import (
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import BatchDescriptor, set_forward_context
 from vllm.sequence import IntermediateTensors
+from vllm_builds import needs_vllm_cpu_platform
 
 import npu_attention
 from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
@@ -321,6 +322,7 @@ def test_replayed_metadata_must_be_per_layer():
         per_layer_metadata([{"a": one}])
 
 
+@needs_vllm_cpu_platform
 def test_decode_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypatch):
     from types import SimpleNamespace
 

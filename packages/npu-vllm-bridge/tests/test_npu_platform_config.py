@@ -16,6 +16,7 @@ import pytest
 import torch
 from vllm.config import CacheConfig, CompilationConfig, ModelConfig, VllmConfig
 from vllm.v1.attention.selector import AttentionSelectorConfig
+from vllm_builds import needs_vllm_cpu_platform
 
 
 @pytest.fixture
@@ -66,6 +67,7 @@ def test_attention_backend_is_the_bridges(npu_platform):
     assert path == "npu_vllm_bridge.attention.backend.NPUBridgeAttentionBackend"
 
 
+@needs_vllm_cpu_platform
 def test_default_block_size_and_worker(npu_platform, tmp_path):
     config = _config(tmp_path)
     config.parallel_config.worker_cls = "auto"  # this process's CPU platform filled it in
@@ -74,6 +76,7 @@ def test_default_block_size_and_worker(npu_platform, tmp_path):
     assert config.parallel_config.worker_cls == "npu_vllm_bridge.worker.npu.NPUWorker"
 
 
+@needs_vllm_cpu_platform
 def test_other_block_size_is_refused(npu_platform, tmp_path):
     config = _config(tmp_path)
     config.cache_config.block_size = 64
