@@ -41,3 +41,9 @@ def stand_in(torch_npu_api: TorchNpuApi) -> Iterator[StandInTorchNpu]:
     """Stand-in ``torch_npu`` and ``torch.npu`` for one test (see ``stand_in_install``)."""
     with installed_stand_in(torch_npu_api) as module:
         yield module
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "npu_sim: runs vLLM on the simulated NPU (npu_sim.py), minutes on 2 cores"
+    )

@@ -52,6 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--engine-json", default="{}", help="more LLM(...) keyword arguments, as JSON"
     )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="no simulation: host mode as it is (reference provider, host graphs), the same "
+        "engine otherwise; the NPU line is then empty",
+    )
+    parser.add_argument(
+        "--fault", default=None, help="a deliberate fault to run with (npu_sim_faults.FAULTS)"
+    )
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
@@ -101,14 +110,16 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE))
     import npu_sim_install
 
-    # This process and any worker it spawns (their sitecustomize installs the simulation).
-    os.environ.update(npu_sim_install.simulation_environment())
+    if args.reference:
+        os.environ["NPU_BRIDGE_DEVICE"] = "cpu"
+    else:  # this process and any worker it spawns (their sitecustomize installs it)
+        os.environ.update(npu_sim_install.simulation_environment(fault=args.fault))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     import vllm  # noqa: F401  (before the stand-in torch_npu)
 
-    simulation = npu_sim_install.install_simulated_npu()
+    simulation = None if args.reference else npu_sim_install.install_simulated_npu()
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -120,8 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     done = time.perf_counter()
     runner = type(llm.llm_engine.model_executor.driver_worker.worker.model_runner).__name__
-    report = simulation.report()
+    report = {} if simulation is None else simulation.report()
     report.update(
+        cached_tokens=[o.num_cached_tokens or 0 for o in outputs],
         model_runner=runner,
         start_s=round(ready - started, 1),
         generate_s=round(done - ready, 1),

@@ -29,9 +29,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SITE_DIR = HERE / "npu_sim_site"  # holds the sitecustomize of simulated processes
 SIM_ENV = "NPU_SIM"  # "1": each process of the run simulates the NPU
+FAULT_ENV = "NPU_SIM_FAULT"  # a deliberate fault of npu_sim_faults, for the tests
 WHEEL_DIR_ENV = "TORCH_NPU_WHEEL_DIR"
 DEFAULT_WHEEL_DIR = HERE.parent / ".pytest_cache" / "d" / "torch-npu-wheel"  # pytest's cache
 HOST_PLATFORM_MODULE = "npu_vllm_bridge.platforms.host"
+HOST_WORKER_MODULE = "npu_vllm_bridge.worker.host"
 
 
 @functools.cache
@@ -114,7 +116,14 @@ def install_simulated_npu() -> Simulation:
     register_provider("ascend", "ascend_mla_cases:HostAscendMLAProvider", family="mla")
     HostPlatform.bridge_settings = npu_settings()
     _SIMULATION = Simulation(module)
-    _count_step_synchronizes(_SIMULATION)
+    # The worker module imports much of vLLM: patched once vLLM loads it (importing it
+    # here, inside vLLM's own import of the platform, would be circular).
+    after_import(HOST_WORKER_MODULE, lambda: _count_step_synchronizes(_SIMULATION))
+    fault = os.environ.get(FAULT_ENV)
+    if fault:
+        from npu_sim_faults import install_fault
+
+        install_fault(fault, _SIMULATION.runtime)
     return _SIMULATION
 
 
@@ -147,10 +156,15 @@ def _count_step_synchronizes(simulation: Simulation) -> None:
     HostWorker.sample_tokens = counted_sample_tokens
 
 
-def simulation_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+def simulation_environment(
+    environ: dict[str, str] | None = None, fault: str | None = None
+) -> dict[str, str]:
     """``environ`` (default: this process's) with what makes a Python process simulate
-    the NPU: host mode, ``NPU_SIM=1`` and ``npu_sim_site`` on ``PYTHONPATH``."""
+    the NPU: host mode, ``NPU_SIM=1`` and ``npu_sim_site`` on ``PYTHONPATH``; ``fault``
+    names a deliberate fault of ``npu_sim_faults`` to install with it."""
     env = dict(os.environ if environ is None else environ)
+    if fault is not None:
+        env[FAULT_ENV] = fault
     paths = [str(SITE_DIR), str(HERE), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env.update(
         {
@@ -163,29 +177,37 @@ def simulation_environment(environ: dict[str, str] | None = None) -> dict[str, s
     return env
 
 
-class _InstallAfterHostPlatform(importlib.abc.MetaPathFinder):
-    """Installs the simulation once the bridge's host platform module has loaded."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``then()`` once the module ``name`` has loaded."""
+
+    def __init__(self, name: str, then: Any) -> None:
+        self.name, self.then = name, then
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != HOST_PLATFORM_MODULE:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
-        exec_module = spec.loader.exec_module
+        exec_module, then = spec.loader.exec_module, self.then
 
-        def exec_and_install(module: Any) -> None:
+        def exec_then(module: Any) -> None:
             exec_module(module)
-            install_simulated_npu()
+            then()
 
-        spec.loader.exec_module = exec_and_install
+        spec.loader.exec_module = exec_then
         return spec
+
+
+def after_import(name: str, then: Any) -> None:
+    """``then()`` now if the module ``name`` is loaded, else right after it loads."""
+    if name in sys.modules:
+        then()
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, then))
 
 
 def install_on_host_platform_import() -> None:
     """Install the simulation in this process when vLLM loads the host platform."""
-    if HOST_PLATFORM_MODULE in sys.modules:
-        install_simulated_npu()
-    elif not any(isinstance(f, _InstallAfterHostPlatform) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InstallAfterHostPlatform())
+    after_import(HOST_PLATFORM_MODULE, install_simulated_npu)
