@@ -16,8 +16,8 @@ requests have passed, each drawn at random (``--seed``) from:
 
 * ``stream``: a streamed chat completion (16 to 128 tokens), read to its end;
 * ``drop``: a streamed chat completion closed by the client after two chunks;
-* ``long``: a completion whose prompt (random token ids) and answer reach to within 16
-  tokens of ``max_model_len``;
+* ``long``: a completion whose prompt (random token ids) and answer (64 to 256 tokens)
+  reach to within 16 tokens of ``max_model_len``;
 * ``chat``: a chat completion, not streamed;
 * ``bad``: a prompt longer than ``max_model_len``, a negative ``max_tokens``, malformed
   JSON, an unknown model or a non-numeric temperature: each must get a 4xx answer.
@@ -186,7 +186,7 @@ def one_request(
         status, _ = client.stream(client.chat(question, 256, True), 2)
         return status, status == "dropped"
     if kind == "long":
-        max_tokens = rng.randint(16, 32)
+        max_tokens = rng.randint(64, 256)  # decodes that take new pages: preemption
         length = max_model_len - max_tokens - rng.randint(1, 16)
         prompt = [rng.choice(VOCAB) for _ in range(length)]
         body = {"model": client.model, "prompt": prompt, "max_tokens": max_tokens}
@@ -282,15 +282,25 @@ def server_process():
     return children[0]
 
 
-def tree_rss(process) -> int:
-    """Resident bytes of ``process`` and every process below it."""
+def tree_rss(process) -> dict[str, int]:
+    """Resident bytes of ``process`` and every process below it, by process name
+    (vLLM names its engine core and worker processes)."""
     import psutil
 
-    total = 0
+    by_name: Counter = Counter()
     for p in [process, *process.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess):
-            total += p.memory_info().rss
-    return total
+            by_name["api_server" if p.pid == process.pid else p.name()] += p.memory_info().rss
+    return dict(by_name)
+
+
+def graph_counters(directory: Path) -> dict[str, float]:
+    """The worker's graph counters (graphs captured, their bytes), as it last wrote them."""
+    path = directory / "dp0-rank0.json"
+    with contextlib.suppress(OSError, ValueError):  # not written yet, or being replaced
+        counters = json.loads(path.read_text())
+        return {k: counters[k] for k in ("captured", "replayed_steps", "capture_bytes")}
+    return {}
 
 
 METRICS = {
@@ -302,7 +312,8 @@ METRICS = {
 
 
 def read_metrics(port: int) -> dict[str, float]:
-    """The ``METRICS`` of vLLM's Prometheus endpoint, summed over their label sets."""
+    """The ``METRICS`` of vLLM's Prometheus endpoint, summed over their label sets;
+    ``RuntimeError`` when one is missing (a renamed metric would read as 0)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
         text = reply.read().decode()
     values: Counter = Counter()
@@ -310,17 +321,30 @@ def read_metrics(port: int) -> dict[str, float]:
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in METRICS:
             values[METRICS[name]] += float(line.rsplit(" ", 1)[1])
+    missing = set(METRICS.values()) - set(values)
+    if missing:
+        raise RuntimeError(f"vLLM's /metrics has no {sorted(missing)}")
     return dict(values)
 
 
-def sampler(port: int, process, started: float, samples: list, stop: threading.Event, every: float):
+def sample(port: int, process, counters_dir: Path, started: float) -> dict:
+    """One sample: time, resident bytes (in all and by process), metrics, graph counters."""
+    by_process = tree_rss(process)
+    return {
+        "t": round(time.monotonic() - started, 1),
+        "rss": sum(by_process.values()),
+        "rss_by_process": by_process,
+        **read_metrics(port),
+        **graph_counters(counters_dir),
+    }
+
+
+def sampler(port, process, counters_dir, started, samples: list, stop: threading.Event, every):
     import psutil
 
     while True:
         try:
-            sample = {"t": round(time.monotonic() - started, 1), "rss": tree_rss(process)}
-            sample.update(read_metrics(port))
-            samples.append(sample)
+            samples.append(sample(port, process, counters_dir, started))
         except (OSError, psutil.Error) as error:  # the server is gone: the outcomes say so
             samples.append({"t": round(time.monotonic() - started, 1), "error": repr(error)})
         if stop.wait(every):
@@ -334,6 +358,8 @@ def run(args: argparse.Namespace) -> dict:
     from servers import serve
     from smollm2 import smollm2_checkpoint
 
+    from npu_vllm_bridge.graphs.counters import COUNTERS_DIR_ENV
+
     model = smollm2_checkpoint()
     kv_bytes = args.kv_tokens * kv_bytes_per_token(model)
     server_args = [
@@ -341,9 +367,10 @@ def run(args: argparse.Namespace) -> dict:
         "--kv-cache-memory-bytes", str(kv_bytes), "--seed", str(args.seed),
     ]  # fmt: skip
     log = args.output.with_suffix(".server.log")
-    log.parent.mkdir(parents=True, exist_ok=True)
+    counters_dir = args.output.with_suffix(".counters")
+    counters_dir.mkdir(parents=True, exist_ok=True)
     launched = time.monotonic()
-    with serve(model, server_args, log) as server:
+    with serve(model, server_args, log, {COUNTERS_DIR_ENV: str(counters_dir)}) as server:
         start_seconds = time.monotonic() - launched
         port = int(server.url.rsplit(":", 1)[1])
         client, process = Client(port, server.model), server_process()
@@ -351,7 +378,8 @@ def run(args: argparse.Namespace) -> dict:
         stop = threading.Event()
         started = time.monotonic()
         watcher = threading.Thread(
-            target=sampler, args=(port, process, started, samples, stop, args.sample_every)
+            target=sampler,
+            args=(port, process, counters_dir, started, samples, stop, args.sample_every),
         )
         watcher.start()
         try:
@@ -369,13 +397,7 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             stop.set()
             watcher.join()
-        samples.append(
-            {
-                "t": round(time.monotonic() - started, 1),
-                "rss": tree_rss(process),
-                **read_metrics(port),
-            }
-        )
+        samples.append(sample(port, process, counters_dir, started))
     return summarize(args, start_seconds, kv_bytes, baseline, rounds, load, samples)
 
 
@@ -432,10 +454,16 @@ def report(result: dict) -> None:
         f"{'mark':6} {'t (s)':>7} {'RSS (MiB)':>10} {'KV use':>7} {'running':>8} {'waiting':>8} {'preempt':>8}"
     )
     for mark, s in result["marks"].items():
+        by_process = ", ".join(f"{k} {v / mib:.0f}" for k, v in s.get("rss_by_process", {}).items())
         print(
             f"{mark:6} {s['t']:7.0f} {s['rss'] / mib:10.0f} {s.get('kv_usage', 0):7.2f} "
             f"{s.get('running', 0):8.0f} {s.get('waiting', 0):8.0f} {s.get('preemptions', 0):8.0f}"
+            f"  graphs {s.get('captured', '-')} ({s.get('capture_bytes', 0) / mib:.0f} MiB); {by_process}"
         )
+    warm, end = result["marks"]["warm"], result["marks"]["end"]
+    if end["t"] > warm["t"]:
+        slope = (end["rss"] - warm["rss"]) / mib / (end["t"] - warm["t"]) * 60
+        print(f"RSS after warm-up: {slope:+.1f} MiB per minute")
     peak = max(s["rss"] for s in result["samples"] if "rss" in s)
     kv_peak = max(s.get("kv_usage", 0) for s in result["samples"])
     print(f"peak RSS {peak / mib:.0f} MiB, peak KV use {kv_peak:.2f}")
