@@ -25,7 +25,8 @@ GQA_KINDS = ("int8_per_token_head", "fp8_per_token_head", "fp8")
 ENGINE_GQA = dict(MLA_ENGINE)  # block size 16, a 32-token budget (chunked prefill)
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}
 ROUNDS = MLA_ROUNDS  # three prompts of 9-70 tokens, then a prefix hit of 64 tokens
-# Token agreement with the 16-bit cache, position by position: at least (measured).
+# Token agreement with the 16-bit cache, position by position: at least this (measured
+# here: int8 per token and head 1.0, fp8 per token and head 0.79, fp8 0.54, MLA fp8 0.63).
 MIN_AGREEMENT = {
     "int8_per_token_head": 0.8,
     "fp8_per_token_head": 0.5,
