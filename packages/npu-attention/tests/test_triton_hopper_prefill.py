@@ -75,6 +75,14 @@ def test_output_goes_through_shared_memory_where_it_fits() -> None:
     assert hopper.output_tile_cols(256, 256, 64, 2) == 128
 
 
+def test_gpu_cases_cover_both_work_orders() -> None:
+    """The GPU cases below take both work orders: a fixed stride (fewer tokens than
+    ``DYNAMIC_MIN_TOKENS``) and pairs from the run-time counter (at least that many)."""
+    hopper = pytest.importorskip("npu_attention.providers.triton_kernels.hopper_prefill")
+    tokens = [sum(case[0]) for case in HOPPER_CASES.values()]
+    assert min(tokens) < hopper.DYNAMIC_MIN_TOKENS <= max(tokens)
+
+
 # ---------------------------------------------------------------- Hopper GPU
 
 HOPPER_CASES = {
@@ -86,6 +94,8 @@ HOPPER_CASES = {
     "gqa_7_head_128": ([333, 77], (28, 4), 128, torch.float16, True),
     "head_256": ([5, 64, 200, 511], (8, 2), 256, torch.bfloat16, True),
     "head_256_non_causal": ([130, 7], (8, 1), 256, torch.float16, False),
+    # DYNAMIC_MIN_TOKENS and more: pairs from the run-time counter, a KV head at a time
+    "dynamic_pairs": ([4096, 333, 1000, 17], (32, 8), 128, torch.bfloat16, True),
 }
 
 

@@ -10,8 +10,13 @@ kernel orders the work itself, in the way FlashAttention-3 does on Hopper:
   the next tile's scores (``Q @ K^T``) and this tile's ``P @ V`` as asynchronous
   warpgroup MMAs and computes the softmax while the ``P @ V`` runs;
 - the grid is persistent, a program per multiprocessor going through (query tile,
-  head) pairs, longest first and every head of a query tile in turn: the loader
-  fetches the next pair's tiles while the consumers finish the current one;
+  head) pairs; the loader fetches the next pair's tiles while the consumers finish
+  the current one. From ``DYNAMIC_MIN_TOKENS`` tokens the pairs are handed out at run
+  time (the loader takes the next from an atomic counter and passes it to the
+  consumers through shared memory), the query heads of one KV head at a time, each
+  head's query tiles longest first: the pairs running at once read few heads' keys
+  and values, which stay in the L2, and the programs still finish together. Smaller
+  steps keep a fixed stride, longest first and every head of a query tile in turn;
 - where shared memory has room for it (head sizes 64 and 128 at 2 stages), each
   consumer writes its 64 finished rows into a shared-memory tile that the
   tensor-memory accelerator stores while the consumer goes on to its next pair;
@@ -55,6 +60,11 @@ ROWS_PER_CONSUMER = 64
 _SHARED_BYTES = 224 * 1024  # query tile and K/V stages (H100, H200: 227 KiB a block)
 
 HEAD_SIZES = (64, 128, 256)
+# Steps of this many tokens or more take their (query tile, head) pairs from a counter at
+# run time, a KV head's query heads at a time; smaller ones keep a fixed stride, every
+# head of a query tile in turn (the counter's zeroing and atomics cost them more than
+# the balance gains; benchmarks/README.md).
+DYNAMIC_MIN_TOKENS = 4096
 # (query/key width, value width) pairs besides equal ``HEAD_SIZES``: MLA's prefill.
 MIXED_HEAD_SIZES = ((192, 128),)
 
@@ -152,7 +162,11 @@ def hopper_prefill(
     num_slots = num_tokens // BLOCK_M + num_reqs
     num_pairs = num_slots * num_heads
     grid = (min(num_pairs, multiprocessor_count(query.device)),)
+    dynamic = num_tokens >= DYNAMIC_MIN_TOKENS
+    # The pair counter, zeroed for each launch (a static order never reads it).
+    counter = torch.zeros(1, dtype=torch.int32, device=query.device) if dynamic else cu_seqlens_q
     _hopper_prefill_kernel[grid](
+        counter,
         q_desc,
         k_desc,
         v_desc,
@@ -175,6 +189,7 @@ def hopper_prefill(
         CAUSAL=causal,
         WRITE_LSE=write_lse,
         TMA_OUT=tma_out,
+        DYNAMIC=dynamic,
         num_warps=4,
         maxnreg=168,
     )
@@ -226,9 +241,11 @@ if HAVE_GLUON:
         queries_per_kv: gl.constexpr
         tail: gl.constexpr  # query/key columns past the first power of two (0, or 64 at 192)
         tma_out: gl.constexpr  # full output tiles go through shared memory and TMA stores
+        dynamic: gl.constexpr  # pairs handed out at run time (else a fixed stride)
 
         @gluon.constexpr_function
-        def __init__(self, causal, write_lse, queries_per_kv, tail, tma_out):
+        def __init__(self, causal, write_lse, queries_per_kv, tail, tma_out, dynamic):
+            self.dynamic = gl.constexpr(dynamic)
             self.causal = gl.constexpr(causal)
             self.write_lse = gl.constexpr(write_lse)
             self.queries_per_kv = gl.constexpr(queries_per_kv)
@@ -252,15 +269,22 @@ if HAVE_GLUON:
     @gluon.jit
     def _work(
         pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, G: gl.constexpr,
     ):  # fmt: skip
         """Where (query tile, head) pair ``pair`` lies: whether the tile holds rows of
         its request, the request's first token and length, the tile within the request
         (in blocks of ``BLOCK_M``), the head, the key tiles to visit and how many of
         them, leading, need no mask. Last tiles of a request see the most keys: they
-        come first, every head of a tile in turn."""
-        tile_slot = num_slots - 1 - pair // num_heads
-        head = pair % num_heads
+        come first, every head of a tile in turn (``G`` 0), or every head of a group
+        of ``G`` in turn, one group's tiles after the other's."""
+        if G == 0:
+            tile_slot = num_slots - 1 - pair // num_heads
+            head = pair % num_heads
+        else:
+            group = pair // (num_slots * G)
+            rem = pair - group * (num_slots * G)
+            tile_slot = num_slots - 1 - rem // G
+            head = group * G + rem % G
         req = _find_request(cu_seqlens_q_ptr, num_reqs, tile_slot, BLOCK_M)
         q_start = gl.load(cu_seqlens_q_ptr + req)
         q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
@@ -278,10 +302,38 @@ if HAVE_GLUON:
     def _load_partition(
         q_desc, k_desc, v_desc, qt_desc, kt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
         bars, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs, flags,
+        hand, counter_ptr,
     ):  # fmt: skip
         """One warp: for each pair, both query halves, then K and V tiles into the
         stage ring (a running count of tiles sets each stage's phase). With a tail,
-        each query half and key tile is two copies on one barrier."""
+        each query half and key tile is two copies on one barrier. With
+        ``flags.dynamic`` the pairs come from ``counter_ptr`` and go on to the
+        consumers (``_publish``); else this program takes every ``num_programs``-th."""
+        loads = (q_desc, k_desc, v_desc, qt_desc, kt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem)
+        work = (cu_seqlens_q_ptr, num_reqs, num_slots, num_heads)
+        count = 0
+        done = 0
+        if flags.dynamic:
+            it = 0
+            pair = gl.atomic_add(counter_ptr, 1)
+            _publish(hand, it, pair)
+            while pair < num_pairs:
+                count, done = _load_pair(
+                    pair, count, done, loads, bars, work, flags, flags.queries_per_kv
+                )
+                it += 1
+                pair = gl.atomic_add(counter_ptr, 1)
+                _publish(hand, it, pair)
+        else:
+            for pair in range(gl.program_id(0), num_pairs, gl.num_programs(0)):
+                count, done = _load_pair(pair, count, done, loads, bars, work, flags, 0)
+
+    @gluon.jit
+    def _load_pair(pair, count, done, loads, bars, work, flags, G: gl.constexpr):
+        """The loader's part of one pair (``_work`` with group ``G``): its query halves
+        and key and value tiles; returns the running tile and pair counts."""
+        q_desc, k_desc, v_desc, qt_desc, kt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem = loads
+        cu_seqlens_q_ptr, num_reqs, num_slots, num_heads = work
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
         rows: gl.constexpr = q_desc.block_type.shape[0]
         MAIN: gl.constexpr = q_desc.block_type.shape[1]
@@ -293,53 +345,74 @@ if HAVE_GLUON:
         QUERIES_PER_KV: gl.constexpr = flags.queries_per_kv
         q_bytes: gl.constexpr = q_desc.block_type.nbytes * HEAD // MAIN  # main and tail
         k_bytes: gl.constexpr = k_desc.block_type.nbytes * HEAD // MAIN
-        count = 0
-        done = 0
-        for pair in range(gl.program_id(0), num_pairs, gl.num_programs(0)):
-            valid, q_start, _, q_tile, head, num_tiles, _ = _work(
-                pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
-                2 * rows, block_n, flags.causal,
-            )  # fmt: skip
-            if valid:
-                kv_col = (head // QUERIES_PER_KV) * HEAD
-                v_col = (head // QUERIES_PER_KV) * HEAD_V
-                for half in gl.static_range(2):
-                    q_row = q_start + q_tile * 2 * rows + half * rows
-                    mbarrier.wait(q_empty.index(half), (done & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(half), q_bytes)
+        valid, q_start, _, q_tile, head, num_tiles, _ = _work(
+            pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
+            2 * rows, block_n, flags.causal, G,
+        )  # fmt: skip
+        if valid:
+            kv_col = (head // QUERIES_PER_KV) * HEAD
+            v_col = (head // QUERIES_PER_KV) * HEAD_V
+            for half in gl.static_range(2):
+                q_row = q_start + q_tile * 2 * rows + half * rows
+                mbarrier.wait(q_empty.index(half), (done & 1) ^ 1)
+                mbarrier.expect(q_ready.index(half), q_bytes)
+                tma.async_copy_global_to_shared(
+                    q_desc, [q_row, head * HEAD], q_ready.index(half), q_smem.index(half)
+                )
+                if TAIL:
                     tma.async_copy_global_to_shared(
-                        q_desc, [q_row, head * HEAD], q_ready.index(half), q_smem.index(half)
+                        qt_desc,
+                        [q_row, head * HEAD + MAIN],
+                        q_ready.index(half),
+                        qt_smem.index(half),
                     )
-                    if TAIL:
-                        tma.async_copy_global_to_shared(
-                            qt_desc,
-                            [q_row, head * HEAD + MAIN],
-                            q_ready.index(half),
-                            qt_smem.index(half),
-                        )
-                for j in range(num_tiles):
-                    stage = count % STAGES
-                    empty_phase = ((count // STAGES) & 1) ^ 1  # a fresh barrier counts as emptied
-                    row = q_start + j * block_n
-                    mbarrier.wait(k_empty.index(stage), empty_phase)
-                    mbarrier.expect(k_ready.index(stage), k_bytes)
+            for j in range(num_tiles):
+                stage = count % STAGES
+                empty_phase = ((count // STAGES) & 1) ^ 1  # a fresh barrier counts as emptied
+                row = q_start + j * block_n
+                mbarrier.wait(k_empty.index(stage), empty_phase)
+                mbarrier.expect(k_ready.index(stage), k_bytes)
+                tma.async_copy_global_to_shared(
+                    k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
+                )
+                if TAIL:
                     tma.async_copy_global_to_shared(
-                        k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage)
+                        kt_desc,
+                        [row, kv_col + MAIN],
+                        k_ready.index(stage),
+                        kt_smem.index(stage),
                     )
-                    if TAIL:
-                        tma.async_copy_global_to_shared(
-                            kt_desc,
-                            [row, kv_col + MAIN],
-                            k_ready.index(stage),
-                            kt_smem.index(stage),
-                        )
-                    mbarrier.wait(v_empty.index(stage), empty_phase)
-                    mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(
-                        v_desc, [row, v_col], v_ready.index(stage), v_smem.index(stage)
-                    )
-                    count += 1
-                done += 1
+                mbarrier.wait(v_empty.index(stage), empty_phase)
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    v_desc, [row, v_col], v_ready.index(stage), v_smem.index(stage)
+                )
+                count += 1
+            done += 1
+        return count, done
+
+    @gluon.jit
+    def _publish(hand, it, pair):
+        """The loader: pair ``pair`` into hand-off slot ``it % 2`` once both consumers
+        took the pair before it there."""
+        pair_smem, pair_ready, pair_empty = hand
+        slot = it % 2
+        mbarrier.wait(pair_empty.index(slot), ((it // 2) & 1) ^ 1)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        pair_smem.index(slot).store(gl.full([1], pair, gl.int32, layout=one))
+        mbarrier.arrive(pair_ready.index(slot), count=1)
+
+    @gluon.jit
+    def _take(hand, it):
+        """A consumer: the pair in hand-off slot ``it % 2``; frees the slot."""
+        pair_smem, pair_ready, pair_empty = hand
+        slot = it % 2
+        mbarrier.wait(pair_ready.index(slot), (it // 2) & 1)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        pair = gl.max(pair_smem.index(slot).load(one), axis=0)
+        gl.thread_barrier()
+        mbarrier.arrive(pair_empty.index(slot), count=1)
+        return pair
 
     @gluon.jit
     def _masked_scores(
@@ -357,34 +430,62 @@ if HAVE_GLUON:
     def _consumer_partition(
         q_smem, k_smem, v_smem, qt_smem, kt_smem, o_desc, o_smem, bars, out_ptr, lse_ptr,
         cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
-        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, half,
+        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, half, hand,
     ):  # fmt: skip
-        """One warpgroup: 64 query rows of each pair against its key tiles."""
+        """One warpgroup: 64 query rows of each pair against its key tiles (the pairs
+        the loader takes, in its order)."""
+        smem = (q_smem, k_smem, v_smem, qt_smem, kt_smem, o_desc, o_smem)
+        work = (cu_seqlens_q_ptr, num_reqs, num_slots, num_heads)
+        outs = (out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale)
+        count = 0
+        done = 0
+        if flags.dynamic:
+            it = 0
+            pair = _take(hand, it)
+            while pair < num_pairs:
+                count, done = _consume_pair(
+                    pair, count, done, smem, bars, work, outs, flags, half, flags.queries_per_kv
+                )
+                it += 1
+                pair = _take(hand, it)
+        else:
+            for pair in range(gl.program_id(0), num_pairs, gl.num_programs(0)):
+                count, done = _consume_pair(
+                    pair, count, done, smem, bars, work, outs, flags, half, 0
+                )
+        if flags.tma_out:  # the last tile's store reads the shared memory until it is done
+            tma.store_wait(0)
+
+    @gluon.jit
+    def _consume_pair(
+        pair, count, done, smem, bars, work, outs, flags, half, G: gl.constexpr
+    ):  # fmt: skip
+        """A consumer's part of one pair (``_work`` with group ``G``); returns the
+        running tile and pair counts."""
+        q_smem, k_smem, v_smem, qt_smem, kt_smem, o_desc, o_smem = smem
+        cu_seqlens_q_ptr, num_reqs, num_slots, num_heads = work
+        out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale = outs
         q_ready = bars[0]
         rows: gl.constexpr = q_smem.type.shape[1]
         block_n: gl.constexpr = k_smem.type.shape[1]
-        count = 0
-        done = 0
-        for pair in range(gl.program_id(0), num_pairs, gl.num_programs(0)):
-            valid, q_start, q_len, q_tile, head, num_tiles, num_full = _work(
-                pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
-                2 * rows, block_n, flags.causal,
+        valid, q_start, q_len, q_tile, head, num_tiles, num_full = _work(
+            pair, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads,
+            2 * rows, block_n, flags.causal, G,
+        )  # fmt: skip
+        if valid:
+            mbarrier.wait(q_ready.index(half), done & 1)
+            o, m_i, l_i, first_row = _attend_tile(
+                q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, half, count, q_tile,
+                q_len, num_tiles, num_full, qk_scale, flags.causal, flags.tail,
             )  # fmt: skip
-            if valid:
-                mbarrier.wait(q_ready.index(half), done & 1)
-                o, m_i, l_i, first_row = _attend_tile(
-                    q_smem, k_smem, v_smem, qt_smem, kt_smem, bars, half, count, q_tile,
-                    q_len, num_tiles, num_full, qk_scale, flags.causal, flags.tail,
-                )  # fmt: skip
-                _store_rows(
-                    o, m_i, l_i, out_ptr, lse_ptr, o_desc, o_smem.index(half), q_start,
-                    first_row, q_len, head, stride_ot, stride_oh, stride_lt, stride_lh,
-                    flags.write_lse, flags.tma_out,
-                )  # fmt: skip
-                count += num_tiles
-                done += 1
-        if flags.tma_out:  # the last tile's store reads the shared memory until it is done
-            tma.store_wait(0)
+            _store_rows(
+                o, m_i, l_i, out_ptr, lse_ptr, o_desc, o_smem.index(half), q_start,
+                first_row, q_len, head, stride_ot, stride_oh, stride_lt, stride_lh,
+                flags.write_lse, flags.tma_out,
+            )  # fmt: skip
+            count += num_tiles
+            done += 1
+        return count, done
 
     @gluon.jit
     def _scores(q, k, qt, kt, zero_s, TAIL: gl.constexpr):
@@ -528,10 +629,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _hopper_prefill_kernel(
-        q_desc, k_desc, v_desc, qt_desc, kt_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr,
+        counter_ptr, q_desc, k_desc, v_desc, qt_desc, kt_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr,
         num_reqs, num_slots, num_pairs, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
         QUERIES_PER_KV: gl.constexpr, TAIL: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, TMA_OUT: gl.constexpr,
+        DYNAMIC: gl.constexpr,
     ):  # fmt: skip
         rows: gl.constexpr = q_desc.block_type.shape[0]
         MAIN: gl.constexpr = q_desc.block_type.shape[1]
@@ -567,21 +669,34 @@ if HAVE_GLUON:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
             mbarrier.init(v_empty.index(i), count=2)
+        if DYNAMIC:  # the loader hands each pair to the consumers: two slots
+            pair_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            pair_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            pair_smem = gl.allocate_shared_memory(
+                gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            )
+            for i in gl.static_range(2):
+                mbarrier.init(pair_ready.index(i), count=1)
+                mbarrier.init(pair_empty.index(i), count=2)  # one arrival per consumer
+            hand = (pair_smem, pair_ready, pair_empty)
+        else:  # never read
+            hand = (q_ready, q_ready, q_ready)
         bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
-        flags = _Flags(CAUSAL, WRITE_LSE, QUERIES_PER_KV, TAIL, TMA_OUT)
+        flags = _Flags(CAUSAL, WRITE_LSE, QUERIES_PER_KV, TAIL, TMA_OUT, DYNAMIC)
         first_consumer_args = (
             q_smem, k_smem, v_smem, qt_smem, kt_smem, o_desc, o_smem, bars, out_ptr, lse_ptr,
             cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
-            stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 0,
+            stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 0, hand,
         )  # fmt: skip
         second_consumer_args = (
             q_smem, k_smem, v_smem, qt_smem, kt_smem, o_desc, o_smem, bars, out_ptr, lse_ptr,
             cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs,
-            stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 1,
+            stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, flags, 1, hand,
         )  # fmt: skip
         load_args = (
             q_desc, k_desc, v_desc, qt_desc, kt_desc, q_smem, k_smem, v_smem, qt_smem, kt_smem,
             bars, cu_seqlens_q_ptr, num_reqs, num_slots, num_heads, num_pairs, flags,
+            hand, counter_ptr,
         )  # fmt: skip
         gl.warp_specialize(
             [
