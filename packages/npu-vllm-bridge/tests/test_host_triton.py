@@ -36,7 +36,10 @@ print("STATE " + json.dumps({
     "stand_in_visible": host_triton.ACTIVE_STAND_IN_BACKEND in triton.backends.backends,
     "torch_sees_triton": torch.utils._triton.has_triton(),
     "env_interpret": os.environ.get("TRITON_INTERPRET"),
-    "jit_warmup": getattr(VllmConfig().kernel_config, "enable_jit_warmup", None),
+    # A config only where V2 runs (vLLM's own CPU platform refuses V2 without Triton).
+    "jit_warmup": (
+        VllmConfig().kernel_config.enable_jit_warmup if host_triton.interpreting() else None
+    ),
 }))
 """
 
