@@ -26,6 +26,7 @@ def _impl() -> BridgeMLAImpl:
     """The impl's write path only (its projections are vLLM's and unused here)."""
     impl = object.__new__(BridgeMLAImpl)
     impl.kv_cache_split = "packed"
+    impl.kv_cache_dtype = "auto"  # set by vLLM's MLACommonImpl.__init__, bypassed here
     impl._layer_name = LAYER
     return impl
 
