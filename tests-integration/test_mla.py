@@ -32,6 +32,8 @@ from engines import NO_VLLM_CPU_BACKENDS, VLLM_CPU_BACKENDS, run_engine
 from mla_checkpoints import CPU_MLA_SHAPE, write_mla_checkpoint
 
 BLOCK_SIZE = 16
+# vLLM 0.32's CPU kernels on a CPU with AMX refuse float32 weights with this message.
+CPU_MLA_WANTS_16_BIT_WEIGHTS = "expect weight to be bfloat16, float16"
 LENGTHS = (9, 40, 70)
 MAX_TOKENS = (8, 6, 4)  # the decode batch shrinks as requests finish
 ENGINE = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=32)
@@ -117,13 +119,19 @@ def test_cpu_mla_shape_matches_vllm_cpu_mla_and_transformers(tmp_path_factory):
     model = write_mla_checkpoint(root / "deepseek-v3-576", **CPU_MLA_SHAPE)
     rounds = [ROUNDS[0][:2]]
     hf = _hf(model, rounds)
-    cpu_mla = run_engine(model, rounds, bridge=False, tmp_path=root, **ENGINE, **EAGER)
-    assert cpu_mla["platform"] == "CpuPlatform", cpu_mla
-    assert cpu_mla["tokens"] == hf, "vLLM CPU_MLA differs from transformers (reference check)"
     compilation = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2]}
     ours = run_engine(
         model, rounds, bridge=True, tmp_path=root, compilation_config=compilation, **ENGINE
     )
     assert ours.get("platform") == "HostPlatform", ours.get("error", ours)
-    assert ours["tokens"] == cpu_mla["tokens"]
+    assert ours["tokens"] == hf
     assert ours["vllm_cudagraph_captured"] > 0
+    cpu_mla = run_engine(model, rounds, bridge=False, tmp_path=root, **ENGINE, **EAGER)
+    if CPU_MLA_WANTS_16_BIT_WEIGHTS in cpu_mla.get("error", ""):
+        pytest.skip(
+            "the bridge equals transformers; vLLM's own CPU path on this CPU takes 16-bit "
+            f"weights only ({cpu_mla['error']}), so CPU_MLA cannot run the float32 model"
+        )
+    assert cpu_mla.get("platform") == "CpuPlatform", cpu_mla
+    assert cpu_mla["tokens"] == hf, "vLLM CPU_MLA differs from transformers (reference check)"
+    assert ours["tokens"] == cpu_mla["tokens"]
