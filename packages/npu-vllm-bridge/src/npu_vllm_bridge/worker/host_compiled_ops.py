@@ -13,18 +13,20 @@ PyTorch function here:
   (``host_slot_mapping.scheduled_slots``);
 * ``greedy_argmax``: the first largest logit of each row;
 * ``fused_gumbel_argmax``: Gumbel-max sampling with a generator per row seeded by the
-  row's seed (the same distribution as the compiled op, not the same random stream).
+  row's seed (the same distribution as the compiled op, not the same random stream);
+* V1 speculative decoding's kernels, which vLLM's CPU platform calls in place of their
+  Triton versions: rejection sampling (greedy, random, recovered tokens, ``expand``)
+  and EAGLE's input preparation (``host_spec_ops.py``);
+* the CPU MoE experts, ``prepack_moe_weight`` and ``cpu_fused_moe``
+  (``host_moe_ops.py``).
 
 And one is avoided instead: ``rotary_embedding`` (vLLM's rotary layer calls it on CPU
 with custom ops on); :func:`avoid_missing_custom_ops` has vLLM use its PyTorch rotary
 embedding. vLLM's own CPU attention backends are not among them: an empty build has
 no CPU platform of its own, so they cannot be selected.
 
-Not covered: the CPU versions of V1's speculative-decoding kernels (rejection sampling,
-EAGLE's input preparation), which vLLM's CPU platform takes from ``vllm._C`` too;
-:func:`refuse_v1_speculation` stops such a run at start-up. Model Runner V2 runs
-speculative decoding on an empty build (its kernels run as PyTorch versions or under
-Triton's interpreter, ``host_v2_kernels.py``).
+Model Runner V2's kernels run as PyTorch versions or under Triton's interpreter
+(``host_v2_kernels.py``).
 
 Where ``vllm._C`` exists nothing here acts.
 """
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from npu_vllm_bridge.settings import PREFIX
+from npu_vllm_bridge.worker import host_moe_ops, host_spec_ops
 from npu_vllm_bridge.worker.host_slot_mapping import scheduled_slots
 
 NAMESPACE = "_C"
@@ -106,6 +108,73 @@ OPS: dict[str, tuple[str, Callable[..., Any]]] = {
         "fused_gumbel_argmax(Tensor logits, Tensor seeds) -> Tensor",
         fused_gumbel_argmax,
     ),
+    "rejection_greedy_sample_kernel_impl": (
+        "rejection_greedy_sample_kernel_impl(Tensor(a0!) output_token_ids, "
+        "Tensor cu_num_draft_tokens, Tensor draft_token_ids, Tensor target_argmax, "
+        "Tensor bonus_token_ids, Tensor? is_greedy, SymInt max_spec_len) -> ()",
+        host_spec_ops.rejection_greedy_sample,
+    ),
+    "rejection_random_sample_kernel_impl": (
+        "rejection_random_sample_kernel_impl(Tensor(a0!) output_token_ids, "
+        "Tensor cu_num_draft_tokens, Tensor draft_token_ids, Tensor? draft_probs, "
+        "Tensor target_probs, Tensor bonus_token_ids, Tensor recovered_token_ids, "
+        "Tensor uniform_probs, Tensor? is_greedy, SymInt max_spec_len, SymInt vocab_size, "
+        "bool no_draft_probs) -> ()",
+        host_spec_ops.rejection_random_sample,
+    ),
+    "expand_kernel_impl": (
+        "expand_kernel_impl(Tensor(a0!) output, Tensor input, Tensor cu_num_tokens, "
+        "SymInt replace_from, SymInt replace_to) -> ()",
+        host_spec_ops.expand,
+    ),
+    "sample_recovered_tokens_kernel_impl": (
+        "sample_recovered_tokens_kernel_impl(Tensor(a0!) output_token_ids, "
+        "Tensor cu_num_draft_tokens, Tensor draft_token_ids, Tensor? draft_probs, "
+        "Tensor target_probs, Tensor inv_q, SymInt vocab_size, bool no_draft_probs) -> ()",
+        host_spec_ops.sample_recovered_tokens,
+    ),
+    "eagle_prepare_inputs_padded_kernel_impl": (
+        "eagle_prepare_inputs_padded_kernel_impl(Tensor cu_num_draft_tokens, "
+        "Tensor valid_sampled_tokens_count, Tensor query_start_loc_gpu, "
+        "Tensor(a3!) token_indices_to_sample, Tensor(a4!) num_rejected_tokens_gpu, "
+        "SymInt num_reqs) -> ()",
+        host_spec_ops.eagle_prepare_inputs_padded,
+    ),
+    "eagle_prepare_next_token_padded_kernel_impl": (
+        "eagle_prepare_next_token_padded_kernel_impl(Tensor sampled_token_ids, "
+        "Tensor discard_request_mask, Tensor backup_next_token_ids, "
+        "Tensor(a3!) next_token_ids, Tensor(a4!) valid_sampled_tokens_count, "
+        "SymInt vocab_size, SymInt num_sampled_tokens_per_req, SymInt num_reqs) -> ()",
+        host_spec_ops.eagle_prepare_next_token_padded,
+    ),
+    "eagle_step_slot_mapping_metadata_kernel_impl": (
+        "eagle_step_slot_mapping_metadata_kernel_impl(Tensor positions, Tensor block_table, "
+        "Tensor(a2!) seq_lens, Tensor(a3!) out_clamped_positions, "
+        "Tensor(a4!) out_slot_mapping, SymInt block_size, SymInt max_model_len, "
+        "SymInt PAD_ID) -> ()",
+        host_spec_ops.eagle_step_slot_mapping_metadata,
+    ),
+    "copy_and_expand_eagle_inputs_kernel_impl": (
+        "copy_and_expand_eagle_inputs_kernel_impl(Tensor target_token_ids, "
+        "Tensor target_positions, Tensor next_token_ids, Tensor(a3!) out_input_ids, "
+        "Tensor(a4!) out_positions, Tensor(a5!) out_is_rejected_token_mask, "
+        "Tensor(a6!) out_is_masked_token_mask, Tensor(a7!) out_new_token_indices, "
+        "Tensor(a8!) out_hidden_state_mapping, Tensor query_start_loc, "
+        "Tensor query_end_loc, SymInt padding_token_id, SymInt parallel_drafting_token_id, "
+        "SymInt total_input_tokens, SymInt num_padding_slots_per_request, "
+        "bool shift_input_ids) -> ()",
+        host_spec_ops.copy_and_expand_eagle_inputs,
+    ),
+    "prepack_moe_weight": (
+        "prepack_moe_weight(Tensor weight, Tensor(a1!) packed_weight, str isa) -> ()",
+        host_moe_ops.prepack_moe_weight,
+    ),
+    "cpu_fused_moe": (
+        "cpu_fused_moe(Tensor(a0!) output, Tensor input, Tensor w13, Tensor w2, "
+        "Tensor? w13_bias, Tensor? w2_bias, Tensor topk_weights, Tensor topk_id, "
+        "bool skip_weighted, str act, str isa) -> ()",
+        host_moe_ops.cpu_fused_moe,
+    ),
 }
 
 _library: torch.library.Library | None = None
@@ -126,8 +195,27 @@ def register_missing() -> list[str]:
     for name, (schema, impl) in OPS.items():
         library.define(schema)
         library.impl(name, impl, "CompositeExplicitAutograd")
+        # What Dynamo runs when it traces the op (cpu_fused_moe inside a compiled model):
+        # shapes only, in-place ops write nothing.
+        torch.library.register_fake(
+            f"{NAMESPACE}::{name}", FAKES.get(name, _writes_only), lib=library
+        )
     _library = library
     return list(OPS)
+
+
+def _writes_only(*args: Any) -> None:
+    """The fake of an op that returns nothing (it writes its mutable arguments)."""
+
+
+def _one_token_per_row(logits: torch.Tensor, *args: Any) -> torch.Tensor:
+    return logits.new_empty(logits.shape[:1], dtype=torch.int64)
+
+
+FAKES: dict[str, Callable[..., Any]] = {
+    "greedy_argmax": _one_token_per_row,
+    "fused_gumbel_argmax": _one_token_per_row,
+}
 
 
 def avoid_missing_custom_ops(custom_ops: list[str]) -> list[str]:
@@ -138,18 +226,3 @@ def avoid_missing_custom_ops(custom_ops: list[str]) -> list[str]:
         return []
     custom_ops.append(f"-{ROTARY_OP}")
     return [f"-{ROTARY_OP}"]
-
-
-def refuse_v1_speculation(vllm_config: Any, v2: bool) -> None:
-    """Raise ``ValueError`` for speculative decoding on V1 (``v2`` false) without
-    ``vllm._C``: vLLM's CPU platform runs V1's rejection sampler and EAGLE input kernels
-    as compiled ops, which an empty build lacks."""
-    if v2 or compiled_ops_present() or vllm_config.speculative_config is None:
-        return
-    raise ValueError(
-        f"{PREFIX} host mode on a vLLM built without its compiled ops (no vllm._C, as the "
-        "empty build) runs speculative decoding on Model Runner V2 only "
-        "(VLLM_USE_V2_MODEL_RUNNER=1): V1's rejection sampler and EAGLE input kernels "
-        "on CPU are vllm._C ops; got speculative decoding "
-        f"({vllm_config.speculative_config.method!r}) on the V1 runner"
-    )
