@@ -85,11 +85,11 @@ class TopLeftCausalPrefill(HostAscendMLAProvider):
 class LseKeylessRowsUnmasked(HostAscendMLAProvider):
     """Takes the ATB op's rows of requests of KV length 0 as they come (undocumented)."""
 
-    def decode(self, q_latent, q_rope, cache, plan, out, *, lse=None):
+    def finish_decode(self, q_latent, plan, out, *, lse=None):
         import torch
 
         every_row_keyed = dataclasses.replace(plan, seq_lens=torch.ones_like(plan.seq_lens))
-        super().decode(q_latent, q_rope, cache, every_row_keyed, out, lse=lse)
+        super().finish_decode(q_latent, every_row_keyed, out, lse=lse)
 
 
 class LseUnpaddedHeads(HostAscendMLAProvider):
@@ -119,10 +119,13 @@ class LseWithoutRingCalcType(HostAscendMLAProvider):
 class LseInFloat32(HostAscendMLAProvider):
     """Hands ATB's MLA a float32 LSE buffer (documented: the query's float16/bf16)."""
 
-    def _lse_scratch(self, query):
+    def _decode_scratch(self, call, shape, dtype, device, made=False):
         import torch
 
-        result, lse = super()._lse_scratch(query)
+        buffers = super()._decode_scratch(call, shape, dtype, device, made)
+        if call != "lse":
+            return buffers
+        result, lse = buffers
         return result, lse.to(torch.float32)
 
 

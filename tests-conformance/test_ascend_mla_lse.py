@@ -24,7 +24,7 @@ from ascend_mla_dcp_cases import BATCHES, DcpBatch, mla_spec
 from torch_npu_schemas import SchemaViolation
 
 from npu_attention import merge_attention_states, plan_context, register_provider
-from npu_attention.mla import allocate_latent_cache, mla_decode
+from npu_attention.mla import allocate_latent_cache, mla_decode, mla_finish_decode
 
 ASCEND_MLA_TARGET = "npu_attention.providers.ascend_mla:AscendMLAProvider"
 FAULTY = "faulty_ascend_mla_providers"
@@ -239,17 +239,13 @@ def test_faulty_lse_provider_is_caught(stand_in, provider: str, violation) -> No
 # ---------------------------------------------------------------- graph task update
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SchemaViolation,
-    reason="the ascend MLA provider masks KV-length-0 rows (aten.gt, where) after its ATB "
-    "call inside the attention task: an update re-issues that work, which the NPU would run "
-    "eagerly outside the graph; the simulator refuses it",
-)
 def test_task_update_reissues_the_atb_call_with_new_lengths(stand_in, host_ascend_mla) -> None:
-    """The ATB call as a captured task: a task update re-issues it with the next step's
-    per-request KV lengths into the same fixed buffers. This reads the op's own
-    ``output`` / ``lse`` buffers (the copies and masking after it replay too)."""
+    """The ATB call as a captured task (``mla_decode(..., finish=False)``), its finish
+    (copies, the LSE's dtype, masking of KV-length-0 rows) after the task in the graph:
+    a task update re-issues the ATB call alone, with the next step's per-request KV
+    lengths into the same fixed buffers (the simulator refuses any other device work in
+    an update). This reads the op's own ``output`` / ``lse`` buffers; the finish replays
+    too, on the captured plan's lengths (this test's plans are not at fixed addresses)."""
     npu = stand_in.npu
     batch = DcpBatch(mla_spec(32, 16, torch.bfloat16), *BATCHES["chunked_prefill"])
     cache = batch.rank_cache(2, 0, 1)
@@ -265,7 +261,7 @@ def test_task_update_reissues_the_atb_call_with_new_lengths(stand_in, host_ascen
     lse = torch.zeros(rows, batch.spec.num_heads)
 
     def decode(step_plan) -> None:
-        mla_decode(batch.q_latent, batch.q_rope, cache, step_plan, out, lse=lse)
+        mla_decode(batch.q_latent, batch.q_rope, cache, step_plan, out, lse=lse, finish=False)
 
     graph, capture_stream, event = npu.NPUGraph(), npu.Stream(), npu.ExternalEvent()
     with npu.graph(graph, stream=capture_stream):
@@ -275,6 +271,7 @@ def test_task_update_reissues_the_atb_call_with_new_lengths(stand_in, host_ascen
         npu.graph_task_group_begin(stream)
         decode(step1)
         handle = npu.graph_task_group_end(stream)
+        mla_finish_decode(batch.q_latent, step1, out, lse=lse)
     (result, row_lse), = step1.provider._scratch.values()  # fmt: skip
 
     def check(lens) -> None:

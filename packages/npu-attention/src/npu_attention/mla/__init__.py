@@ -10,7 +10,13 @@ from npu_attention.mla.cache import (
     latent_cache_planes,
     split_latent_cache,
 )
-from npu_attention.mla.run import mla_decode, mla_prefill, mla_write_cache, up_projected_heads
+from npu_attention.mla.run import (
+    mla_decode,
+    mla_finish_decode,
+    mla_prefill,
+    mla_write_cache,
+    up_projected_heads,
+)
 from npu_attention.mla.spec import MLASpec
 
 __all__ = [
@@ -19,6 +25,7 @@ __all__ = [
     "allocate_latent_cache",
     "latent_cache_planes",
     "mla_decode",
+    "mla_finish_decode",
     "mla_prefill",
     "mla_write_cache",
     "split_latent_cache",

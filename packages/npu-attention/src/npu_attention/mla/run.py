@@ -66,6 +66,7 @@ def mla_decode(
     *,
     lse: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
+    finish: bool = True,
 ) -> torch.Tensor:
     """Absorbed (MQA) attention of the plan's decode requests; returns ``out``.
 
@@ -87,6 +88,9 @@ def mla_decode(
             by (``merge_attention_states``).
         k_scale: an fp8 cache's scale, as in ``mla_write_cache``: the latent rows are
             read as ``code * k_scale``.
+        finish: False issues the provider's kernel alone (what a graph task holds: a
+            task update re-issues nothing else); ``out`` and ``lse`` are then complete
+            only after ``mla_finish_decode`` with the same tensors.
 
     Raises:
         TypeError: a plan not made for an ``MLASpec``, or wrong dtypes.
@@ -105,6 +109,37 @@ def mla_decode(
         extra["lse"] = lse
     if rows:
         plan.provider.decode(q_latent, q_rope, cache, plan, out, **extra)
+        if finish:
+            plan.provider.finish_decode(q_latent, plan, out, lse=lse)
+    return out
+
+
+def mla_finish_decode(
+    q_latent: torch.Tensor,
+    plan: AttentionPlan,
+    out: torch.Tensor,
+    *,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Complete ``mla_decode(..., finish=False)`` of the same tensors; returns ``out``.
+
+    The provider's device work after its decode kernel (copies out of the kernel's
+    buffers, the LSE's dtype, rows of requests of KV length 0), issued outside a graph
+    task and inside the graph: it reads ``plan.seq_lens`` on the device, which a graph
+    step must keep at fixed addresses.
+
+    Raises:
+        TypeError / ValueError: as ``mla_decode`` for ``q_latent``, ``out``, ``lse``;
+            ValueError from a provider that ran no decode of these shapes.
+    """
+    spec = _mla_spec(plan)
+    rows = plan.num_decode_tokens
+    _check_rows("q_latent", q_latent, plan, (spec.num_heads, spec.kv_lora_rank), rows)
+    _check_rows("out", out, plan, (spec.num_heads, spec.kv_lora_rank), rows)
+    if lse is not None:
+        check_lse(lse, plan, "num_decode_tokens")
+    if rows:
+        plan.provider.finish_decode(q_latent, plan, out, lse=lse)
     return out
 
 

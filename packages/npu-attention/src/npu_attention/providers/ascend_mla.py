@@ -40,8 +40,10 @@ Operators, one per job:
   calc_type="calc_type_ring")``. The first nine arguments go by position: the
   header names the head count ``head_num``, the registered schema ``q_headnum``.
   The rows are then copied out, the LSE converted to float32, and rows of requests
-  of KV length 0 set to zeros and ``-inf`` (from ``plan.seq_lens`` on the device).
-  Without ``lse`` the decode stays on the v2 op above.
+  of KV length 0 set to zeros and ``-inf`` (from ``plan.seq_lens`` on the device):
+  ``finish_decode``'s work, not ``decode``'s, so that a graph task holds the ATB call
+  alone and a task update re-issues only it (the finish runs after the task, inside
+  the graph). Without ``lse`` the decode stays on the v2 op above.
 - Prefill (non-absorbed): the prefill requests' latent rows (context and new
   tokens) are gathered from the planes with index ops, decompressed by the
   caller's ``kv_up_proj``, and attended by ``npu_fused_infer_attention_score_v2`` in
@@ -84,9 +86,7 @@ states no log base for the LSE (natural log assumed, as in torch_npu's other
 softmax LSE outputs); an LSE in bfloat16 carries about 3 significant digits, so
 merging ranks by it weights them less exactly than a float32 LSE would; what the
 op writes for a request of ``context_lens`` 0 is undocumented (vllm-ascend passes
-0 for padding and overwrites those rows, as this provider does); and the copies
-and masking after the op are ordinary device ops in the graph task, next to the
-re-issued ATB op.
+0 for padding and overwrites those rows, as this provider does).
 
 Known gaps in the documentation, unverified until run on hardware: with a query
 D other than 512 and ``sparse_mode=3`` it asks each request's ``actual_seq_qlen <
@@ -162,7 +162,10 @@ class AscendMLAProvider(MLAProvider):
         self._masks: dict[torch.device, torch.Tensor] = {}
         self._workspaces: dict[tuple[Any, ...], torch.Tensor] = {}
         self._lse: dict[torch.device, torch.Tensor] = {}
-        self._scratch: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Fixed output buffers of the decode calls, by (call, shape, dtype, device): the
+        # ATB call's output and LSE, the v2 op's output where the caller's rows are not
+        # whole [T, 32/64/128, 512] rows. decode writes them, finish_decode reads them.
+        self._scratch: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
 
     @classmethod
     def is_available(cls) -> bool:
@@ -269,8 +272,8 @@ class AscendMLAProvider(MLAProvider):
             )
             self._workspaces[shape_key] = workspace
         result = _heads_in_place(out[:rows], heads)
-        direct = result is not None
-        result = result if direct else query.new_empty(query.shape)
+        if result is None:  # copied into out by finish_decode
+            (result,) = self._decode_scratch("v2", query.shape, query.dtype, query.device)
         npu.npu_fused_infer_attention_score_v2.out(
             query,
             cache.kv_c,
@@ -279,8 +282,32 @@ class AscendMLAProvider(MLAProvider):
             workspace=workspace,
             out=[result, self._unused_lse(query.device)],
         )
-        if not direct:
-            out[:rows].copy_(result[:, : spec.num_heads])
+
+    def finish_decode(
+        self,
+        q_latent: torch.Tensor,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+        *,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        """Copy ``decode``'s rows out of its fixed buffers into ``out`` (and ``lse``, in
+        float32), zeros and ``-inf`` for requests of KV length 0; nothing when the fused
+        op wrote ``out`` in place."""
+        spec, rows = plan.spec, plan.num_decode_tokens
+        n, width = spec.num_heads, spec.kv_lora_rank
+        if lse is None:
+            heads = _padded_heads(n)
+            if _heads_in_place(out[:rows], heads) is None:
+                shape = (rows, heads, width)
+                (result,) = self._decode_scratch("v2", shape, q_latent.dtype, out.device, made=True)
+                out[:rows].copy_(result[:, :n])
+            return
+        shape = (rows, self.decode_heads(spec, with_lse=True), width)
+        result, row_lse = self._decode_scratch("lse", shape, q_latent.dtype, out.device, made=True)
+        keyed = (plan.seq_lens[:rows] > 0).unsqueeze(1)  # KV length 0: nothing to attend
+        out[:rows].copy_(torch.where(keyed.unsqueeze(2), result[:, :n], 0.0))
+        lse[:rows].copy_(torch.where(keyed, row_lse[:, :n, 0].float(), float("-inf")))
 
     def _decode_with_lse(
         self,
@@ -317,14 +344,10 @@ class AscendMLAProvider(MLAProvider):
         if workspace is None:
             workspace = npu.atb._npu_multi_head_latent_attention_get_workspace(*args, **kwargs)
             self._workspaces[shape_key] = workspace
-        result, row_lse = self._lse_scratch(query)
+        result, row_lse = self._decode_scratch("lse", query.shape, query.dtype, query.device)
         npu.atb.npu_multi_head_latent_attention(
             *args, **kwargs, workspace=workspace, output=result, lse=row_lse
         )
-        keyed = (plan.seq_lens[:rows] > 0).unsqueeze(1)  # KV length 0: nothing to attend
-        n = spec.num_heads
-        out[:rows].copy_(torch.where(keyed.unsqueeze(2), result[:, :n], 0.0))
-        lse[:rows].copy_(torch.where(keyed, row_lse[:, :n, 0].float(), float("-inf")))
 
     def prefill(
         self,
@@ -366,13 +389,29 @@ class AscendMLAProvider(MLAProvider):
             mask = self._masks[device] = torch.triu(ones, diagonal=1)
         return mask
 
-    def _lse_scratch(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fixed ``output`` ``[T, N, 512]`` and ``lse`` ``[T, N, 1]`` buffers of the ATB call."""
-        key = (query.shape, query.dtype, query.device)
+    def _decode_scratch(
+        self,
+        call: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        made: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        """Fixed output buffers of a decode call of query ``shape`` ``[T, N, 512]``:
+        ``("v2", ...)``: the v2 op's ``[T, N, 512]``; ``("lse", ...)``: the ATB call's
+        ``output`` ``[T, N, 512]`` and ``lse`` ``[T, N, 1]``, all in ``dtype``. With
+        ``made``, the buffers a ``decode`` of that shape wrote (``finish_decode``)."""
+        key = (call, tuple(shape), dtype, device)
         scratch = self._scratch.get(key)
         if scratch is None:
-            lse = query.new_empty(*query.shape[:2], 1)
-            scratch = self._scratch[key] = (query.new_empty(query.shape), lse)
+            if made:
+                raise ValueError(
+                    "finish_decode of a decode this provider did not run: no "
+                    f"{call!r} output of shape {tuple(shape)} {dtype} on {device}"
+                )
+            output = torch.empty(shape, dtype=dtype, device=device)
+            lse = torch.empty(*shape[:2], 1, dtype=dtype, device=device)
+            scratch = self._scratch[key] = (output,) if call == "v2" else (output, lse)
         return scratch
 
     def _unused_lse(self, device: torch.device) -> torch.Tensor:

@@ -95,7 +95,23 @@ class MLAProvider(ABC):
         ``q_rope`` ``[rows, N, R]`` against the cached latents; writes ``out`` ``[rows, N, L]``
         (latent space) for rows ``< plan.num_decode_tokens``, and with ``lse`` (float32
         ``[rows, N]``, only asked of providers whose ``returns_lse`` is True) each such
-        row's natural-log log-sum-exp of its scaled scores (``-inf`` with no key)."""
+        row's natural-log log-sum-exp of its scaled scores (``-inf`` with no key), once
+        ``finish_decode`` has run after it."""
+
+    def finish_decode(  # noqa: B027 (nothing to finish by default)
+        self,
+        q_latent: torch.Tensor,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+        *,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        """The device work of a decode that is not its kernel (copies out of the
+        kernel's own buffers, dtype conversions, rows without keys), run right after
+        ``decode`` with the same arguments. A graph task holds ``decode`` alone, so that
+        a task update re-issues only the kernel; this runs after the task, in the graph.
+        ``decode`` must issue nothing but its kernel calls and views where the caller
+        hands whole rows (``decode_heads``)."""
 
     @abstractmethod
     def prefill(

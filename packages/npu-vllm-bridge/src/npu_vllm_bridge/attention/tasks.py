@@ -19,7 +19,13 @@ from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
 import npu_attention
 from npu_attention import AttentionPlan
-from npu_attention.mla import LatentCache, mla_decode, mla_prefill, mla_write_cache
+from npu_attention.mla import (
+    LatentCache,
+    mla_decode,
+    mla_finish_decode,
+    mla_prefill,
+    mla_write_cache,
+)
 from npu_graphs import call_task
 
 # A FULL decode graph records two tasks per MLA layer: the latent write, the decode.
@@ -164,16 +170,19 @@ def run_mla_decode(
     layer_name: str,
     k_scale: torch.Tensor | None = None,
 ) -> None:
-    """``mla_decode`` of one layer (absorbed; with ``lse``, the rows' log-sum-exp too)
-    as a task; an fp8 cache's scale is a static argument."""
+    """``mla_decode`` of one layer (absorbed; with ``lse``, the rows' log-sum-exp too):
+    the provider's kernel as a task (an fp8 cache's scale a static argument), then its
+    finish (copies, masking) after the task, so that a task update re-issues the kernel
+    alone; in a graph the finish replays as the graph's own ops."""
     call_task(
         _mla_decode, q_latent, q_rope, cache, out, lse, k_scale,
         step=attn_metadata, derive=plan_args, name=layer_name,
     )  # fmt: skip
+    mla_finish_decode(q_latent, attn_metadata.plan, out, lse=lse)
 
 
 def _mla_decode(q_latent, q_rope, cache, out, lse, k_scale, *, plan: AttentionPlan) -> None:
-    mla_decode(q_latent, q_rope, cache, plan, out, lse=lse, k_scale=k_scale)
+    mla_decode(q_latent, q_rope, cache, plan, out, lse=lse, k_scale=k_scale, finish=False)
 
 
 def run_mla_prefill(
