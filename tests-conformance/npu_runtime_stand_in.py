@@ -28,6 +28,11 @@ tensors:
   for every joined stream's last work (torch_npu's ``capture_end`` fails, 107025:
   "capture model contains a stream that was not joined to the original stream").
   The current stream is per host thread, as in torch_npu.
+- Collectives: a ``torch.distributed`` collective issued during a capture (a ``c10d``
+  op: HCCL's on the NPU, gloo's here) is recorded whole as one task of the graph, as
+  torch_npu captures an HCCL collective; each replay issues it again on the captured
+  tensors and waits for it (a stream-ordered collective). Every rank replays its graphs
+  step by step, so each issues the same collectives in the same order.
 - Task groups: ``graph_task_group_begin/end(stream)`` bracket ops on the capture
   stream and return a handle. ``graph_task_update_begin(stream, handle)`` ...
   ``graph_task_update_end(stream)`` must run on a stream other than the capture
@@ -84,6 +89,7 @@ from schema_stand_in import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 from torch.utils._python_dispatch import _pop_mode as _pop_dispatch_mode
+from torch.utils._pytree import tree_leaves
 from torch_npu_schemas import PythonApi, SchemaViolation, bind_python
 
 from npu_graphs.backends.host import _SHAPE_QUERIES, HostGraph, _kind_of, _Recorder
@@ -187,7 +193,7 @@ class NpuRuntime(Launcher):
         self.stream_budget = NPU_STREAM_BUDGET  # streams the device gives captured graphs
         self.graphs: weakref.WeakSet[StandInGraph] = weakref.WeakSet()  # captured, alive
         # captures, replays, task_updates, replayed_ops, synchronizes (device, stream),
-        # event_synchronizes
+        # event_synchronizes, captured_collectives, replayed_collectives
         self.stats: Counter = Counter()
         self._modes: set[TorchDispatchMode] = set()  # pushed by this runtime, not popped
 
@@ -328,7 +334,7 @@ class NpuRuntime(Launcher):
         capture, thread = self.capture, threading.get_ident()
         if capture is None or thread in capture.recorders:
             return False
-        recorder = _Recorder(capture.graph.host)
+        recorder = _DeviceRecorder(capture.graph.host, self)
         self._push(recorder)
         capture.recorders[thread] = recorder
         return True
@@ -542,6 +548,8 @@ class NpuRuntime(Launcher):
                 if step is not None:  # None: a view fixed at capture
                     step.run(_NO_SLOTS)
                     self.stats["replayed_ops"] += 1
+                    if type(step.func) is CollectiveTask:
+                        self.stats["replayed_collectives"] += 1
                 replay.next_op += 1
             for group in replay.graph.groups:
                 group.updated_on, group.released = None, False
@@ -588,6 +596,44 @@ def _check_same_tensors(name: str, captured: dict[str, Any], issued: dict[str, A
 
 def _describe(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)}@{tensor.data_ptr():#x}"
+
+
+@dataclass(frozen=True)
+class CollectiveTask:
+    """A ``torch.distributed`` collective (a ``c10d`` op) as a recorded graph op: a
+    replay issues it and waits for its ``Work``, as a captured HCCL task completes in
+    stream order."""
+
+    op: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.op(*args, **kwargs)
+        for leaf in tree_leaves(result):
+            if isinstance(leaf, torch.ScriptObject) and leaf._has_method("wait"):
+                leaf.wait()
+        return result
+
+    def __str__(self) -> str:
+        return f"{self.op} (collective)"
+
+
+class _DeviceRecorder(_Recorder):
+    """npu-graphs' host recorder, with each ``c10d`` op (a collective) recorded whole as
+    a :class:`CollectiveTask` instead of below (where gloo's threads do its work and
+    nothing would be replayed)."""
+
+    def __init__(self, graph: HostGraph, runtime: NpuRuntime) -> None:
+        super().__init__(graph)
+        self._runtime = runtime
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "c10d" or self._graph.opaque_depth:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        kwargs = kwargs or {}
+        outputs = func(*args, **kwargs)
+        self._graph.append(Op(CollectiveTask(func), args, kwargs, outputs, Kind.MUTATE))
+        self._runtime.stats["captured_collectives"] += 1
+        return outputs
 
 
 class _UpdateGuard(TorchDispatchMode):

@@ -21,16 +21,25 @@ pytest's cache folder of this repository; downloaded once with pip).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 MODES = ("eager", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 BLOCK_SIZE = 128  # the NPU platform's page (the fused attention ops')
 KV_CACHE_BYTES = 256 * 2**20
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,10 +70,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fault", default=None, help="a deliberate fault to run with (npu_sim_faults.FAULTS)"
     )
+    add_parallel_arguments(parser)
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    check_parallel_arguments(parser, args)
     return args
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Tensor, decode-context and data parallelism, and micro-batch overlap."""
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--decode-context-parallel-size", type=int, default=1, help="DCP ranks (of the TP ranks)"
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="DP ranks: one engine process each (vLLM's offline data parallelism); rank r "
+        "generates prompts r, r + N, ...",
+    )
+    parser.add_argument("--enable-dbo", action="store_true", help="micro-batch overlap (DBO)")
+    parser.add_argument("--dbo-decode-token-threshold", type=int, default=None)
+    parser.add_argument("--dbo-prefill-token-threshold", type=int, default=None)
+    # Set by the run for each DP rank's process.
+    parser.add_argument("--data-parallel-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--data-parallel-port", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def check_parallel_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("tensor_parallel_size", "decode_context_parallel_size", "data_parallel_size"):
+        if getattr(args, name) < 1:
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            )
+    rank = args.data_parallel_rank
+    if rank is not None and not 0 <= rank < args.data_parallel_size:
+        parser.error(f"--data-parallel-rank must be in [0, {args.data_parallel_size}), got {rank}")
 
 
 def read_prompts(path: Path) -> list[list[int]]:
@@ -93,6 +136,14 @@ def engine_arguments(args: argparse.Namespace) -> dict:
     if args.max_num_batched_tokens is not None:
         engine.update(max_num_batched_tokens=args.max_num_batched_tokens)
         engine.update(enable_chunked_prefill=True)
+    for name in ("tensor_parallel_size", "decode_context_parallel_size"):
+        if getattr(args, name) > 1:
+            engine[name] = getattr(args, name)
+    if args.enable_dbo:
+        engine["enable_dbo"] = True
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            if getattr(args, name) is not None:
+                engine[name] = getattr(args, name)
     if args.mode == "eager":
         engine["enforce_eager"] = True
     else:
@@ -105,8 +156,20 @@ def engine_arguments(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     prompts = read_prompts(args.prompts)
+    if args.data_parallel_size > 1 and args.data_parallel_rank is None:
+        tokens, report = run_data_parallel(args, argv, len(prompts))
+    else:
+        tokens, report = run_engine(args, prompts)
+    print("TOKENS " + json.dumps(tokens), flush=True)
+    print("NPU " + json.dumps(report), flush=True)
+
+
+def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list, dict]:
+    """One engine (of a DP rank: its prompts ``rank::size``): the greedy tokens of its
+    prompts and the NPU report of every worker process, summed (``ranks``: each's own)."""
     sys.path.insert(0, str(HERE))
     import npu_sim_install
 
@@ -117,9 +180,20 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
+    rank, size = args.data_parallel_rank, args.data_parallel_size
+    if rank is not None:  # vLLM's offline data parallelism: one engine per rank
+        os.environ.update(
+            VLLM_DP_RANK=str(rank),
+            VLLM_DP_RANK_LOCAL=str(rank),
+            VLLM_DP_SIZE=str(size),
+            VLLM_DP_MASTER_IP="127.0.0.1",
+            VLLM_DP_MASTER_PORT=str(args.data_parallel_port),
+        )
+        prompts = prompts[rank::size]
     import vllm  # noqa: F401  (before the stand-in torch_npu)
 
-    simulation = None if args.reference else npu_sim_install.install_simulated_npu()
+    if not args.reference:
+        npu_sim_install.install_simulated_npu()
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -130,16 +204,110 @@ def main(argv: list[str] | None = None) -> None:
         [{"prompt_token_ids": p} for p in prompts], [params] * len(prompts), use_tqdm=False
     )
     done = time.perf_counter()
-    runner = type(llm.llm_engine.model_executor.driver_worker.worker.model_runner).__name__
-    report = {} if simulation is None else simulation.report()
+    if args.reference:
+        report = {"model_runner": llm.collective_rpc(_model_runner_name)[0]}
+    else:  # every worker process's own simulation
+        report = merge_reports(llm.collective_rpc("npu_sim_report"))
     report.update(
         cached_tokens=[o.num_cached_tokens or 0 for o in outputs],
-        model_runner=runner,
         start_s=round(ready - started, 1),
         generate_s=round(done - ready, 1),
     )
-    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
-    print("NPU " + json.dumps(report), flush=True)
+    return [list(o.outputs[0].token_ids) for o in outputs], report
+
+
+def _model_runner_name(worker: Any) -> str:
+    return type(worker.model_runner).__name__
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report of several processes' (or DP ranks') reports: counts summed (counts by
+    name too), times the longest, names kept once; each process's own under ``ranks``."""
+    merged: dict[str, Any] = {}
+    ranks: list[dict[str, Any]] = []
+    for report in reports:
+        ranks.extend(report.get("ranks", [report]))
+        for key, value in report.items():
+            if key in ("ranks", "dp_rank", "rank", "cached_tokens"):
+                continue
+            if key.endswith("_s"):
+                merged[key] = max(merged.get(key, 0), value)
+            elif isinstance(value, dict):
+                counts = Counter(merged.get(key, {}))
+                counts.update(value)
+                merged[key] = dict(sorted(counts.items()))
+            elif isinstance(value, (int, float)):
+                merged[key] = merged.get(key, 0) + value
+            elif merged.setdefault(key, value) != value:
+                raise ValueError(f"processes disagree on {key}: {merged[key]!r}, {value!r}")
+    merged["ranks"] = ranks
+    return merged
+
+
+def run_data_parallel(
+    args: argparse.Namespace, argv: list[str], num_prompts: int
+) -> tuple[list, dict]:
+    """``--data-parallel-size N``: N processes of this script, one DP rank each (rank r
+    generates prompts r, r + N, ...); their tokens in prompt order and their reports
+    merged. A rank that fails stops the others (they would wait for it)."""
+    size, port = args.data_parallel_size, _free_port()
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(size)]
+        command = [sys.executable, str(Path(__file__).resolve()), *argv]
+        command += ["--data-parallel-port", str(port), "--data-parallel-rank"]
+        procs = [
+            subprocess.Popen(
+                [*command, str(rank)], stdout=log, text=True, preexec_fn=_die_with_parent
+            )
+            for rank, log in enumerate(logs)
+        ]
+        try:
+            while any(proc.poll() is None for proc in procs):
+                if any(proc.poll() for proc in procs):  # one failed
+                    break
+                time.sleep(0.5)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        results = [_rank_result(rank, log) for rank, log in enumerate(logs)]
+    statuses = [proc.returncode for proc in procs]
+    if any(statuses) or not all(results):
+        raise SystemExit(f"DP ranks failed: exit statuses {statuses} (-9: stopped by the run)")
+    tokens: list = [None] * num_prompts
+    cached: list = [None] * num_prompts
+    for rank, (rank_tokens, report) in enumerate(results):
+        tokens[rank::size] = rank_tokens
+        cached[rank::size] = report.get("cached_tokens", [])
+    report = merge_reports([report for _, report in results])
+    report["cached_tokens"] = cached
+    return tokens, report
+
+
+def _rank_result(rank: int, log: Any) -> tuple[list, dict] | None:
+    """A DP rank's tokens and report (None: it printed none); its other output goes to
+    stderr."""
+    log.seek(0)
+    lines = {}
+    for line in log:
+        head, _, rest = line.partition(" ")
+        if head in ("TOKENS", "NPU"):
+            lines[head] = json.loads(rest)
+        else:
+            sys.stderr.write(f"(DP rank {rank}) {line}")
+    return (lines["TOKENS"], lines["NPU"]) if len(lines) == 2 else None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """A DP rank's process is killed when the run that started it dies (Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 if __name__ == "__main__":

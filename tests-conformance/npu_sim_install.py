@@ -34,6 +34,15 @@ WHEEL_DIR_ENV = "TORCH_NPU_WHEEL_DIR"
 DEFAULT_WHEEL_DIR = HERE.parent / ".pytest_cache" / "d" / "torch-npu-wheel"  # pytest's cache
 HOST_PLATFORM_MODULE = "npu_vllm_bridge.platforms.host"
 HOST_WORKER_MODULE = "npu_vllm_bridge.worker.host"
+NPU_COMMUNICATOR_MODULE = "npu_vllm_bridge.worker.npu_communicator"
+# The NPU platform's device communicator (platforms/npu.py's NPU_COMMUNICATOR), which
+# that module cannot be imported to read without an NPU.
+NPU_COMMUNICATOR = f"{NPU_COMMUNICATOR_MODULE}.NPUCommunicator"
+# Its collectives the report counts, as vLLM's process groups call them.
+COMMUNICATOR_CALLS = (
+    "all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv",
+    "dispatch", "combine",
+)  # fmt: skip
 
 
 @functools.cache
@@ -56,6 +65,7 @@ class Simulation:
 
     module: Any
     step_syncs: Counter = dataclasses.field(default_factory=Counter)
+    communicator_calls: Counter = dataclasses.field(default_factory=Counter)
 
     @property
     def runtime(self) -> Any:
@@ -63,7 +73,9 @@ class Simulation:
 
     def report(self) -> dict[str, Any]:
         """Counters of this process: graphs, replays, task updates, synchronizes inside
-        replayed steps, torch_npu calls by op name (and torch.npu calls by name)."""
+        replayed steps, collectives captured and replayed in graphs, calls of the NPU
+        communicator's collectives, torch_npu calls by op name (and torch.npu calls by
+        name)."""
         stats, counts = self.runtime.stats, self.module.log.counts
         return {
             "graphs_captured": stats["captures"],
@@ -74,6 +86,9 @@ class Simulation:
             "event_synchronizes": stats["event_synchronizes"],
             "replayed_ops": stats["replayed_ops"],
             "streams_held": sum(g.streams for g in self.runtime.graphs if g.captured),
+            "captured_collectives": stats["captured_collectives"],
+            "replayed_collectives": stats["replayed_collectives"],
+            "communicator_calls": dict(sorted(self.communicator_calls.items())),
             "torch_npu_calls": dict(
                 sorted((k, v) for k, v in counts.items() if not k.startswith("torch.npu."))
             ),
@@ -115,16 +130,54 @@ def install_simulated_npu() -> Simulation:
     register_provider("ascend", "ascend_cases:HostAscendProvider")
     register_provider("ascend", "ascend_mla_cases:HostAscendMLAProvider", family="mla")
     HostPlatform.bridge_settings = npu_settings()
+    # vLLM's process groups talk through the NPU platform's communicator (over gloo).
+    HostPlatform.get_device_communicator_cls = classmethod(lambda cls: NPU_COMMUNICATOR)
     _SIMULATION = Simulation(module)
-    # The worker module imports much of vLLM: patched once vLLM loads it (importing it
+    # These modules import much of vLLM: patched once vLLM loads them (importing them
     # here, inside vLLM's own import of the platform, would be circular).
-    after_import(HOST_WORKER_MODULE, lambda: _count_step_synchronizes(_SIMULATION))
+    after_import(HOST_WORKER_MODULE, lambda: _instrument_worker(_SIMULATION))
+    after_import(NPU_COMMUNICATOR_MODULE, lambda: _count_communicator_calls(_SIMULATION))
     fault = os.environ.get(FAULT_ENV)
     if fault:
         from npu_sim_faults import install_fault
 
         install_fault(fault, _SIMULATION.runtime)
     return _SIMULATION
+
+
+def _instrument_worker(simulation: Simulation) -> None:
+    """The host worker counts synchronizes in replayed steps and answers
+    ``collective_rpc("npu_sim_report")`` with this process's report, its DP rank and
+    rank (so a run collects the report of every worker process)."""
+    from npu_vllm_bridge.worker.host import HostWorker
+
+    def npu_sim_report(self) -> dict[str, Any]:
+        report = simulation.report()
+        report.update(
+            dp_rank=self.parallel_config.data_parallel_rank,
+            rank=self.rank,
+            model_runner=type(self.model_runner).__name__,
+        )
+        return report
+
+    HostWorker.npu_sim_report = npu_sim_report
+    _count_step_synchronizes(simulation)
+
+
+def _count_communicator_calls(simulation: Simulation) -> None:
+    """Count the calls of the NPU communicator's collectives (:data:`COMMUNICATOR_CALLS`)."""
+    from npu_vllm_bridge.worker.npu_communicator import NPUCommunicator
+
+    def counted(name: str, method: Any) -> Any:
+        @functools.wraps(method)
+        def call(self, *args: Any, **kwargs: Any) -> Any:
+            simulation.communicator_calls[name] += 1
+            return method(self, *args, **kwargs)
+
+        return call
+
+    for name in COMMUNICATOR_CALLS:
+        setattr(NPUCommunicator, name, counted(name, getattr(NPUCommunicator, name)))
 
 
 def _count_step_synchronizes(simulation: Simulation) -> None:
