@@ -14,6 +14,17 @@ reference implementation of what the documentation says the op computes:
   causal), 4 (band: ``pre_tokens`` before and ``next_tokens`` after the
   bottom-right diagonal); modes 2 to 4 take the 2048x2048 mask, ``True`` above the
   diagonal; ``softmax_lse`` is ``[T, N, 1]`` float32 when asked for, else ``[1]``.
+- the same op in ``BNSD`` with one query token per request (the IncreFlashAttention
+  branch) over paged caches, float16/bfloat16 or int8 keys and values; int8 pages need
+  ``key_antiquant_scale`` and ``value_antiquant_scale`` (both or neither), with
+  ``key_antiquant_mode`` / ``value_antiquant_mode`` equal (or 0 and 1) in 0..5 and each
+  mode's documented scale shape and dtype: 0 per tensor ``(1,)`` or per channel
+  ``(1, N, 1, D)`` / ``(1, N, D)`` / ``(1, H)`` in the query dtype, 2 per head ``(N,)`` in
+  the query dtype, 4 ``(blocknum, blocksize)`` and 5 ``(blocknum, N, blocksize)`` float32
+  (scales managed by page attention); modes 1 and 3 are checked, not computed. Keys are
+  dequantized (``code * scale``) before the attention. Antiquant scales with float keys,
+  and int8 paged keys on the prompt branch (more than one query token: its page
+  attention takes no antiquant), are refused.
 - ``npu_fused_infer_attention_score_v2`` (+ ``.out``, ``_get_max_workspace``) in its
   two documented MLA uses (``query_rope`` / ``key_rope`` given, ``TND``): the paged
   absorbed call (query D 512, rope D 64, query N 32/64/128, key N 1, block size 16
@@ -221,7 +232,8 @@ class StandInAtb(types.ModuleType):
 
 
 def _fia_check(a: dict[str, Any]) -> None:
-    """The documented constraints of the TND + paged KV use of the fused op."""
+    """The documented constraints of the TND + paged KV use of the fused op (and of the
+    single-token BNSD use: ``_fia_bnsd_check``)."""
     _expect(
         a["input_layout"] in FIA_LAYOUTS,
         f"input_layout {a['input_layout']!r} is not one of the documented layouts {FIA_LAYOUTS}",
@@ -230,12 +242,26 @@ def _fia_check(a: dict[str, Any]) -> None:
         a["sparse_mode"] in FIA_SPARSE_MODES,
         f"sparse_mode={a['sparse_mode']} is not documented (supported: {FIA_SPARSE_MODES})",
     )
+    if a["input_layout"] == "BNSD":
+        _fia_bnsd_check(a)
+        return
     if a["input_layout"] != "TND":
         raise NotModeled(f"input_layout {a['input_layout']!r}")
     query, key, value = a["query"], a["key"], a["value"]
     _expect(
         query.dtype in FIA_DTYPES, f"query dtype must be one of {FIA_DTYPES}, got {query.dtype}"
     )
+    if key.dtype in ANTIQUANT_KV_DTYPES and a["block_table"] is not None:
+        lengths = [
+            e - s for s, e in zip([0, *a["actual_seq_lengths"][:-1]], a["actual_seq_lengths"])
+        ]
+        _expect(
+            max(lengths, default=0) <= 1,
+            "page attention with int8 keys and values (pseudo-quantization) is documented for "
+            f"one query token per request only, got query lengths {lengths}",
+        )
+        raise NotModeled("TND paged attention over int8 keys")
+    _check_no_antiquant(a)
     _expect(key.dtype == value.dtype == query.dtype, "query, key and value dtypes differ")
     _expect(
         key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
@@ -324,6 +350,8 @@ def _check_paged(a: dict[str, Any], num_kv_heads: int, head_size: int, batch: in
 
 def _fia_compute(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     _fia_check(a)
+    if a["input_layout"] == "BNSD":
+        return _fia_bnsd_compute(a)
     query = a["query"]
     num_heads, num_kv_heads = a["num_heads"], a["num_key_value_heads"] or a["num_heads"]
     key = _paged_tokens(a["key"], num_kv_heads)
@@ -383,6 +411,208 @@ def _softmax_attention(
     probs = torch.nan_to_num(torch.exp(scores - lse.unsqueeze(-1)))
     out = torch.einsum("nsl,lnd->snd", probs, v)
     return out, lse.transpose(0, 1).unsqueeze(-1)
+
+
+# ---------------------------------------------------------------- single-token BNSD, int8 pages
+
+ANTIQUANT_KV_DTYPES = (torch.int8,)  # documented int8 / int4 (int32); int8 modeled
+ANTIQUANT_ARGUMENTS = (
+    "antiquant_scale",
+    "antiquant_offset",
+    "key_antiquant_scale",
+    "key_antiquant_offset",
+    "value_antiquant_scale",
+    "value_antiquant_offset",
+)
+ANTIQUANT_MODES = range(6)  # key/value_antiquant_mode with one query token
+
+
+def _check_no_antiquant(a: dict[str, Any]) -> None:
+    given = [name for name in ANTIQUANT_ARGUMENTS if a[name] is not None]
+    _expect(
+        not given,
+        f"antiquant scales dequantize int8 keys and values; got {a['key'].dtype} keys with {given}",
+    )
+
+
+def _fia_bnsd_check(a: dict[str, Any]) -> None:
+    """Single-token BNSD over paged caches, float or int8 (see the module doc)."""
+    query, key, value = a["query"], a["key"], a["value"]
+    _expect(
+        query.dtype in FIA_DTYPES, f"query dtype must be one of {FIA_DTYPES}, got {query.dtype}"
+    )
+    _expect(query.dim() == 4, f"BNSD query must be [B, N, S, D], got {tuple(query.shape)}")
+    if query.shape[2] != 1:
+        raise NotModeled("BNSD with more than one query token")
+    for name in ("query", "key", "value"):
+        _expect(a[name].is_contiguous(), f"{name} must be contiguous")
+    _expect(key.dtype == value.dtype, f"key {key.dtype} and value {value.dtype} dtypes differ")
+    _expect(
+        key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
+    )
+    batch, num_heads, _, head_size = query.shape
+    num_kv_heads = a["num_key_value_heads"] or a["num_heads"]
+    _expect(a["num_heads"] == num_heads, f"num_heads={a['num_heads']} but query has {num_heads}")
+    _expect(
+        num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64,
+        f"num_heads={num_heads} is not a multiple (<= 64x) of num_key_value_heads={num_kv_heads}",
+    )
+    if a["atten_mask"] is not None or a["block_table"] is None:
+        raise NotModeled("single-token BNSD with a mask or without block_table")
+    table, block_size = a["block_table"], a["block_size"]
+    _expect(
+        table.dtype == torch.int32 and table.dim() == 2 and table.shape[0] == batch,
+        f"block_table must be int32 [B={batch}, max_blocks], got {table.dtype} "
+        f"{tuple(table.shape)}",
+    )
+    alignment = 32 if key.dtype in ANTIQUANT_KV_DTYPES else 16
+    _expect(
+        block_size > 0 and block_size % alignment == 0,
+        f"block_size must be a multiple of {alignment} for {key.dtype} keys, got {block_size}",
+    )
+    _expect(
+        key.dim() == 3 and key.shape[1:] == (block_size, num_kv_heads * head_size),
+        f"paged key (blocknum, blocksize, H) must be (*, {block_size}, "
+        f"{num_kv_heads * head_size}), got {tuple(key.shape)}",
+    )
+    kv_lens = a["actual_seq_lengths_kv"]
+    capacity = table.shape[1] * block_size
+    _expect(
+        kv_lens is not None and len(kv_lens) == batch and all(0 <= n <= capacity for n in kv_lens),
+        f"actual_seq_lengths_kv must hold {batch} per-request lengths <= {capacity}, got "
+        f"{None if kv_lens is None else list(kv_lens)}",
+    )
+    if key.dtype in FIA_DTYPES:
+        _expect(key.dtype == query.dtype, "query and key dtypes differ")
+        _check_no_antiquant(a)
+        return
+    _expect(
+        key.dtype in ANTIQUANT_KV_DTYPES,
+        f"keys must be float16/bfloat16/int8, got {key.dtype}",
+    )
+    _check_antiquant(a, num_kv_heads, head_size, block_size, key.shape[0])
+
+
+def _check_antiquant(
+    a: dict[str, Any], num_kv_heads: int, head_size: int, block_size: int, num_blocks: int
+) -> None:
+    """Documented pairings of antiquant modes with scale shapes and dtypes (one query token)."""
+    k_scale, v_scale = a["key_antiquant_scale"], a["value_antiquant_scale"]
+    _expect(
+        a["antiquant_scale"] is None and a["antiquant_offset"] is None,
+        "the combined antiquant_scale / antiquant_offset are not modeled with separate K/V scales",
+    )
+    _expect(
+        k_scale is not None and v_scale is not None,
+        "int8 keys and values need key_antiquant_scale and value_antiquant_scale (both), got "
+        f"key_antiquant_scale={_shape_of(k_scale)}, value_antiquant_scale={_shape_of(v_scale)}",
+    )
+    if a["key_antiquant_offset"] is not None or a["value_antiquant_offset"] is not None:
+        raise NotModeled("asymmetric antiquant (offsets)")
+    k_mode, v_mode = a["key_antiquant_mode"], a["value_antiquant_mode"]
+    _expect(
+        k_mode in ANTIQUANT_MODES and v_mode in ANTIQUANT_MODES,
+        f"key/value_antiquant_mode must be in 0..5 with one query token, got {k_mode}/{v_mode}",
+    )
+    _expect(
+        k_mode == v_mode or (k_mode, v_mode) == (0, 1),
+        f"key_antiquant_mode and value_antiquant_mode must be equal (or 0 and 1), got "
+        f"{k_mode} and {v_mode}",
+    )
+    query_dtype = a["query"].dtype
+    for name, scale, mode in (("key", k_scale, k_mode), ("value", v_scale, v_mode)):
+        shapes, dtype = _antiquant_layout(mode, a, num_kv_heads, head_size, block_size, num_blocks)
+        _expect(
+            tuple(scale.shape) in shapes and scale.dtype == (dtype or query_dtype),
+            f"{name}_antiquant_scale of antiquant mode {mode} must be "
+            f"{' or '.join(str(s) for s in shapes)} {dtype or query_dtype}, got "
+            f"{tuple(scale.shape)} {scale.dtype}",
+        )
+        _expect(scale.is_contiguous(), f"{name}_antiquant_scale must be contiguous")
+
+
+def _antiquant_layout(
+    mode: int, a: dict[str, Any], num_kv_heads: int, head_size: int, block_size: int,
+    num_blocks: int,
+) -> tuple[tuple[tuple[int, ...], ...], torch.dtype | None]:  # fmt: skip
+    """The scale shapes a mode documents and their dtype (None: the query's)."""
+    batch = a["query"].shape[0]
+    hidden = num_kv_heads * head_size
+    if mode == 0:
+        return (
+            (1,),
+            (1, num_kv_heads, 1, head_size),
+            (1, num_kv_heads, head_size),
+            (1, hidden),
+        ), None
+    if mode == 1:
+        return tuple((1, batch, s) for s in _kv_extent(a)), torch.float32
+    if mode == 2:
+        return ((num_kv_heads,),), None
+    if mode == 3:
+        return tuple((batch, num_kv_heads, s) for s in _kv_extent(a)), torch.float32
+    if mode == 4:
+        return ((num_blocks, block_size),), torch.float32
+    return ((num_blocks, num_kv_heads, block_size),), torch.float32
+
+
+def _kv_extent(a: dict[str, Any]) -> tuple[int, ...]:
+    """Possible S of per-token scales: at least the longest KV length (not pinned down)."""
+    longest = max(a["actual_seq_lengths_kv"], default=0)
+    return tuple(range(longest, a["block_table"].shape[1] * a["block_size"] + 1))
+
+
+def _dequantized(
+    codes: torch.Tensor, scale: torch.Tensor, mode: int, num_kv_heads: int
+) -> torch.Tensor:
+    """``(blocknum, blocksize, H)`` codes as float32 ``[blocks, block_size, KV_N, D]``."""
+    pages = codes.float().reshape(codes.shape[0], codes.shape[1], num_kv_heads, -1)
+    scale = scale.float()
+    if mode == 0:
+        factor = scale.reshape(-1) if scale.numel() == 1 else scale.reshape(num_kv_heads, -1)
+    elif mode == 2:
+        factor = scale.reshape(num_kv_heads, 1)
+    elif mode == 4:
+        factor = scale.reshape(*scale.shape, 1, 1)
+    elif mode == 5:
+        factor = scale.transpose(1, 2).unsqueeze(-1)
+    else:
+        raise NotModeled(f"antiquant mode {mode}")
+    return pages * factor
+
+
+def _fia_bnsd_compute(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    query = a["query"]
+    batch, num_heads, _, _ = query.shape
+    num_kv_heads = a["num_key_value_heads"] or a["num_heads"]
+    key, value = a["key"], a["value"]
+    if key.dtype in ANTIQUANT_KV_DTYPES:
+        key = _dequantized(key, a["key_antiquant_scale"], a["key_antiquant_mode"], num_kv_heads)
+        value = _dequantized(
+            value, a["value_antiquant_scale"], a["value_antiquant_mode"], num_kv_heads
+        )
+    else:
+        key, value = _paged_tokens(key, num_kv_heads), _paged_tokens(value, num_kv_heads)
+    out = torch.zeros(batch, num_heads, 1, query.shape[3], dtype=torch.float32)
+    lse = torch.full((batch, num_heads, 1, 1), float("inf"), dtype=torch.float32)
+    block_size = a["block_size"]
+    for b in range(batch):
+        kv_len = a["actual_seq_lengths_kv"][b]
+        blocks = a["block_table"][b, : math.ceil(kv_len / block_size)].long()
+        _expect(
+            bool((blocks >= 0).all()) and bool((blocks < key.shape[0]).all()),
+            f"block_table row {b} holds block ids outside [0, {key.shape[0]})",
+        )
+        k = key[blocks].reshape(-1, num_kv_heads, key.shape[-1])[:kv_len]
+        v = value[blocks].reshape(-1, num_kv_heads, value.shape[-1])[:kv_len]
+        visible = torch.ones(1, kv_len, dtype=torch.bool)
+        rows, row_lse = _softmax_attention(query[b].transpose(0, 1), k, v, visible, a["scale"])
+        out[b], lse[b] = rows.transpose(0, 1), row_lse.transpose(0, 1)
+    return out.to(query.dtype), lse
+
+
+def _shape_of(tensor: Any) -> str:
+    return "None" if tensor is None else str(tuple(tensor.shape))
 
 
 def _fia(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

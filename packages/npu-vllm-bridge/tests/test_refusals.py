@@ -158,7 +158,9 @@ def test_kv_cache_kind_the_provider_lacks_is_refused_naming_what_it_takes(tmp_pa
     )
     config = _vllm_config(write_config(tmp_path, head_dim=128), cache_dtype="fp8")
     with pytest.raises(
-        ValueError, match=r"'ascend' attention provider; it takes kv_cache_dtype in \['auto'\]"
+        ValueError,
+        match=r"'ascend' attention provider; it takes kv_cache_dtype in "
+        r"\['auto', 'int8_per_token_head'\]",
     ):
         checks.check_model_and_options(config)
 

@@ -65,6 +65,40 @@ Known gap in the documentation: for single-token queries the op documents
 all have one query token takes that branch is not documented, so sliding-window
 decode is unverified until run on hardware.
 
+8-bit caches (``kv_cache_dtypes``): ``int8_per_token_head`` only, the one vLLM kind the
+fused op documents (torch_npu 2.14, Atlas A2/A3: int8 / int4 keys and values; the fp8
+kinds are not documented there and ``plan`` refuses them, naming what this provider
+takes). Its scales are float32 ``[num_blocks, block_size, num_kv_heads]`` laid out
+head-major (strides ``(num_kv_heads * block_size, 1, block_size)``), so that their
+``permute(0, 2, 1)`` is the contiguous ``(blocknum, N, blocksize)`` tensor of the op's
+``key_antiquant_mode=5`` ("per token and head, scales managed by page attention");
+other layouts are refused before anything is written.
+
+- KV write: the rows are quantized as vLLM defines the kind
+  (``npu_attention.kv_quant.quantize_per_token_head``: torch ops; ``npu_quantize`` and
+  ``npu_dynamic_quant`` return new tensors, which a captured task cannot re-issue, and
+  round half to even where vLLM rounds half away from zero), the int8 rows go through
+  ``npu_scatter_pa_kv_cache`` (int8 is a documented dtype) and the scales are put beside
+  them in the same step. The quantization is device work that a task update would run
+  eagerly: a graph keeps the write out of the attention's task group (vllm-ascend's
+  graphs do the same), and only the fused op is re-issued.
+- Decode (every request one query token): ``npu_fused_infer_attention_score.out`` in
+  ``BNSD`` with the query as ``[B, N, 1, D]`` (the IncreFlashAttention branch, whose
+  page attention takes int8 keys and values), the int8 caches as ``(blocknum, blocksize,
+  H)``, ``key_antiquant_scale`` / ``value_antiquant_scale`` the head-major scales,
+  ``key_antiquant_mode=value_antiquant_mode=5``, per-request ``actual_seq_lengths_kv``,
+  no mask; the log-sum-exp lands in ``lse`` viewed as ``[B, N, 1, 1]``. The scales are
+  static arguments of the task: an update re-issues the call with the same tensors and
+  the next step's lengths.
+- Every other state: the documentation's prompt branch (more than one query token)
+  takes no antiquant with page attention, so the pages the step's block table names
+  are dequantized into a dense ``spec.dtype`` copy (torch ops, eager steps only) and
+  the paged ``TND`` call above reads that copy. A prefill without cached context given
+  its own keys and values attends over those rows unquantized
+  (``npu_fusion_attention``), as ``run`` documents.
+- A sliding window is refused with the quantized kind: the single-token branch
+  ignores ``pre_tokens``.
+
 torch_npu is imported only when this provider is used, and looked up at call
 time, so a stand-in module in ``sys.modules`` can answer the calls.
 """
@@ -73,12 +107,14 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
 
+from npu_attention import kv_quant
+from npu_attention.kv_quant import KVScales, ScaleKind
 from npu_attention.plan import AttentionPlan
 from npu_attention.providers.base import AttentionProvider
 from npu_attention.spec import AttentionSpec
@@ -103,6 +139,10 @@ MAX_QUERIES_PER_KV = 64  # fused attention: num_heads / num_key_value_heads <= 6
 ASCEND_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # Paged KV as (blocknum, blocksize, H): the op refuses KV_N * D > 65535.
 MAX_KV_HIDDEN = 65535
+# The kinds the fused op documents (int8 keys and values, Atlas A2/A3), and its
+# antiquant mode for scales per token and head managed by page attention.
+ASCEND_KV_CACHE_DTYPES = ("auto", "int8_per_token_head")
+ANTIQUANT_PER_TOKEN_HEAD_PAGED = 5
 
 
 def torch_npu_module() -> ModuleType:
@@ -144,6 +184,7 @@ class AscendProvider(AttentionProvider):
     head_sizes: ClassVar[tuple[int, ...]] = ASCEND_HEAD_SIZES
     returns_lse: ClassVar[bool] = True  # softmax_lse_flag / softmax_max + softmax_sum
     contiguous_inputs: ClassVar[bool] = True
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ASCEND_KV_CACHE_DTYPES
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
@@ -188,9 +229,14 @@ class AscendProvider(AttentionProvider):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         plan: AttentionPlan,
+        *,
+        scales: KVScales | None = None,
     ) -> None:
         data = _step_data(plan)
         _check_contiguous(key_cache, value_cache)
+        quantized = plan.spec.kv_scales is not ScaleKind.NONE
+        if quantized:
+            check_head_major_scales(scales, key_cache)
         num_written = data.slot_mapping.shape[0]
         if num_written == 0:
             return
@@ -199,6 +245,8 @@ class AscendProvider(AttentionProvider):
             check_contiguous_rows(key=key, value=value)
         else:  # host slot handling: the written rows gathered (eager steps only)
             key, value = key[data.written_tokens], value[data.written_tokens]
+        if quantized:
+            key, value = self._quantize_rows(key, value, scales, data.slot_mapping, plan)
         torch_npu_module().npu_scatter_pa_kv_cache(
             key,
             value,
@@ -207,6 +255,25 @@ class AscendProvider(AttentionProvider):
             data.slot_mapping,
             cache_mode="Norm",
         )
+
+    @staticmethod
+    def _quantize_rows(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scales: KVScales,
+        slots: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 codes of the rows (vLLM's per-token-head definition); their scales are put
+        at the rows' slots of ``scales`` in the same step."""
+        block_size = plan.spec.block_size
+        where = (torch.div(slots, block_size, rounding_mode="floor"), slots % block_size)
+        codes = []
+        for rows, scale_cache in ((key, scales.k), (value, scales.v)):
+            row_codes, row_scales = kv_quant.quantize_per_token_head(rows, torch.int8)
+            scale_cache.index_put_(where, row_scales)
+            codes.append(row_codes)
+        return codes[0], codes[1]
 
     def attend(
         self,
@@ -219,8 +286,10 @@ class AscendProvider(AttentionProvider):
         value: torch.Tensor | None = None,
         *,
         lse: torch.Tensor | None = None,
+        scales: KVScales | None = None,
     ) -> None:
         data = _step_data(plan)
+        quantized = plan.spec.kv_scales is not ScaleKind.NONE
         if key_cache is None or value_cache is None:
             if key is None or value is None:
                 raise ValueError(
@@ -228,9 +297,81 @@ class AscendProvider(AttentionProvider):
                     f"key={_kind(key)}, value={_kind(value)}"
                 )
             self._attend_no_cache(query, key, value, plan, data, out, lse)
-        else:
-            _check_contiguous(key_cache, value_cache)
+            return
+        _check_contiguous(key_cache, value_cache)
+        if not quantized:
             self._attend_paged(query, key_cache, value_cache, plan, data, out, lse)
+            return
+        check_head_major_scales(scales, key_cache)
+        if key is not None and value is not None and not plan.has_context:
+            self._attend_no_cache(query, key, value, plan, data, out, lse)  # own rows
+        elif _one_token_each(data):
+            self._attend_quantized_decode(
+                query, key_cache, value_cache, scales, plan, data, out, lse
+            )
+        else:
+            key_pages, value_pages, table = dequantized_pages(
+                key_cache, value_cache, scales, data.block_table, plan.spec.dtype
+            )
+            dense = replace(data, block_table=table)
+            self._attend_paged(query, key_pages, value_pages, plan, dense, out, lse)
+
+    def _attend_quantized_decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scales: KVScales,
+        plan: AttentionPlan,
+        data: AscendStepData,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+    ) -> None:
+        """One query token per request over the int8 pages: ``BNSD`` ``[B, N, 1, D]``, the
+        op's own dequantization (antiquant mode 5, head-major scales)."""
+        npu = torch_npu_module()
+        spec = plan.spec
+        n = data.num_actual_tokens
+        num_blocks, block_size = key_cache.shape[:2]
+        kwargs: dict[str, Any] = dict(
+            actual_seq_lengths_kv=data.actual_seq_lengths_kv,
+            key_antiquant_scale=scales.k.permute(0, 2, 1),
+            value_antiquant_scale=scales.v.permute(0, 2, 1),
+            block_table=data.block_table,
+            num_heads=spec.num_heads,
+            scale=spec.softmax_scale,
+            input_layout="BNSD",
+            num_key_value_heads=spec.num_kv_heads,
+            sparse_mode=SPARSE_NONE,
+            block_size=block_size,
+            key_antiquant_mode=ANTIQUANT_PER_TOKEN_HEAD_PAGED,
+            value_antiquant_mode=ANTIQUANT_PER_TOKEN_HEAD_PAGED,
+            softmax_lse_flag=lse is not None,
+        )
+        check_contiguous_rows(query=query[:n], out=out[:n])
+        q = query[:n].unsqueeze(2)
+        k = key_cache.view(num_blocks, block_size, -1)
+        v = value_cache.view(num_blocks, block_size, -1)
+        shape_key = ("bnsd", q.shape, k.shape, data.block_table.shape, q.dtype, q.device, spec, lse is not None)  # fmt: skip
+        workspace = self._workspaces.get(shape_key)
+        if workspace is None:
+            workspace = npu._npu_fused_infer_attention_score_get_max_workspace(q, k, v, **kwargs)
+            self._workspaces[shape_key] = workspace
+        if lse is None:
+            softmax_lse = self._unused_lse(q.device)
+        else:  # BNSD: [B, N, Q_S, 1] float32, a view of the caller's rows
+            softmax_lse = lse[:n].view(n, spec.num_heads, 1, 1)
+            check_contiguous_rows(lse=softmax_lse)
+        npu.npu_fused_infer_attention_score.out(
+            q, k, v, **kwargs, workspace=workspace, out=[out[:n].unsqueeze(2), softmax_lse]
+        )
+
+    def _unused_lse(self, device: torch.device) -> torch.Tensor:
+        """The ``[1]`` float32 lse output the op takes with the flag off, one per device."""
+        softmax_lse = self._lse.get(device)
+        if softmax_lse is None:
+            softmax_lse = self._lse[device] = torch.empty(1, dtype=torch.float32, device=device)
+        return softmax_lse
 
     def _attend_paged(
         self,
@@ -273,10 +414,7 @@ class AscendProvider(AttentionProvider):
             workspace = npu._npu_fused_infer_attention_score_get_max_workspace(q, k, v, **kwargs)
             self._workspaces[shape_key] = workspace
         if lse is None:  # the op still takes an lse output: [1] with the flag off
-            softmax_lse = self._lse.get(q.device)
-            if softmax_lse is None:
-                softmax_lse = torch.empty(1, dtype=torch.float32, device=q.device)
-                self._lse[q.device] = softmax_lse
+            softmax_lse = self._unused_lse(q.device)
         else:  # TND: [T, N, 1] float32, a view of the caller's rows
             softmax_lse = lse[:n].unsqueeze(-1)
             check_contiguous_rows(lse=softmax_lse)
@@ -365,6 +503,12 @@ def check_spec(spec: AttentionSpec) -> None:
             f"and the fused op takes kv_heads * head_size <= {MAX_KV_HIDDEN}, got "
             f"num_kv_heads={spec.num_kv_heads}, head_size={spec.head_size}"
         )
+    if spec.sliding_window is not None and spec.kv_scales is not ScaleKind.NONE:
+        raise ValueError(
+            "the ascend provider reads an 8-bit cache through the fused op's single-token "
+            "branch, which ignores pre_tokens: sliding_window needs kv_cache_dtype='auto', got "
+            f"sliding_window={spec.sliding_window} with kv_cache_dtype={spec.kv_cache_dtype!r}"
+        )
     if spec.sliding_window is not None and not spec.causal:
         raise ValueError(
             "the ascend provider supports sliding_window only with causal attention, "
@@ -403,6 +547,56 @@ def check_contiguous_rows(**tensors: torch.Tensor) -> None:
                 f"graph task; make the rows contiguous before run), got strides "
                 f"{tensor.stride()} for shape {tuple(tensor.shape)}"
             )
+
+
+def check_head_major_scales(scales: KVScales | None, key_cache: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless both scales are float32 ``[num_blocks, block_size,
+    num_kv_heads]`` laid out head-major, the ``(blocknum, N, blocksize)`` contiguous
+    tensor antiquant mode 5 reads, seen through ``permute(0, 2, 1)``."""
+    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    shape = (num_blocks, block_size, num_kv_heads)
+    strides = (num_kv_heads * block_size, 1, block_size)
+    if scales is None:
+        raise ValueError(
+            f"an int8 cache needs scales: float32 {list(shape)} with strides {strides}, got none"
+        )
+    for name, scale in (("k_scale", scales.k), ("v_scale", scales.v)):
+        fits = tuple(scale.shape) == shape and (
+            scale.stride() == strides or scale.permute(0, 2, 1).is_contiguous()
+        )
+        if not fits or scale.dtype != torch.float32:
+            raise ValueError(
+                f"the ascend provider reads {name} as the fused op's (blocknum, N, blocksize) "
+                f"scales: expected float32 {list(shape)} with strides {strides} (head-major), "
+                f"got {scale.dtype} {list(scale.shape)} with strides {scale.stride()}"
+            )
+
+
+def dequantized_pages(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scales: KVScales,
+    block_table: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pages ``block_table`` names, dequantized into a dense ``dtype`` paged copy
+    ``[num_reqs * max_blocks, block_size, num_kv_heads, head_size]``, and the int32 block
+    table over that copy (request ``r``'s pages at rows ``r * max_blocks ...``)."""
+    num_reqs, max_blocks = block_table.shape
+    blocks = block_table.reshape(-1).long()
+    pages = []
+    for cache, scale in ((key_cache, scales.k), (value_cache, scales.v)):
+        codes = cache.index_select(0, blocks)
+        pages.append(
+            kv_quant.dequantize(codes, scale.index_select(0, blocks).unsqueeze(-1)).to(dtype)
+        )
+    table = torch.arange(num_reqs * max_blocks, dtype=torch.int32, device=block_table.device)
+    return pages[0], pages[1], table.view(num_reqs, max_blocks)
+
+
+def _one_token_each(data: AscendStepData) -> bool:
+    ends = data.actual_seq_lengths
+    return all(end - start == 1 for start, end in zip([0, *ends[:-1]], ends))
 
 
 def _step_data(plan: AttentionPlan) -> AscendStepData:
