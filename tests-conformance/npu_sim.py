@@ -59,7 +59,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-bytes", type=int, default=KV_CACHE_BYTES)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (8-bit KV caches)"
+    )
+    parser.add_argument(
         "--engine-json", default="{}", help="more LLM(...) keyword arguments, as JSON"
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='vLLM\'s speculative_config, as JSON (e.g. \'{"method": "mtp", '
+        '"num_speculative_tokens": 1}\'); the NPU line then has spec_decode (drafts, '
+        "draft tokens, accepted tokens)",
     )
     parser.add_argument(
         "--reference",
@@ -130,6 +140,7 @@ def engine_arguments(args: argparse.Namespace) -> dict:
         block_size=BLOCK_SIZE,
         kv_cache_memory_bytes=args.kv_cache_bytes,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         skip_tokenizer_init=True,
         seed=0,
     )
@@ -151,6 +162,9 @@ def engine_arguments(args: argparse.Namespace) -> dict:
         if args.capture_sizes:
             compilation["cudagraph_capture_sizes"] = args.capture_sizes
         engine["compilation_config"] = compilation
+    if args.speculative_config is not None:
+        engine["speculative_config"] = json.loads(args.speculative_config)
+        engine["disable_log_stats"] = False  # vLLM's acceptance counters
     engine.update(json.loads(args.engine_json))
     return engine
 
@@ -212,8 +226,36 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list
         cached_tokens=[o.num_cached_tokens or 0 for o in outputs],
         start_s=round(ready - started, 1),
         generate_s=round(done - ready, 1),
+        bridge_graphs=merge_reports(llm.collective_rpc(_bridge_graph_counters))["counts"],
     )
+    if args.speculative_config is not None:
+        report["spec_decode"] = spec_decode_stats(llm)
     return [list(o.outputs[0].token_ids) for o in outputs], report
+
+
+def _bridge_graph_counters(worker: Any) -> dict[str, Any]:
+    """The bridge's graph counters of a worker process (the drafter's graphs too)."""
+    from npu_vllm_bridge.graphs.counters import graph_counters
+
+    return {"counts": graph_counters().as_dict()}
+
+
+SPEC_DECODE_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+
+
+def spec_decode_stats(llm: Any) -> dict[str, int]:
+    """vLLM's speculative-decoding counters of the run: drafts, draft tokens, accepted."""
+    from vllm.v1.metrics.reader import Counter as MetricCounter
+
+    stats = dict.fromkeys(SPEC_DECODE_COUNTERS.values(), 0)
+    for metric in llm.get_metrics():
+        if isinstance(metric, MetricCounter) and metric.name in SPEC_DECODE_COUNTERS:
+            stats[SPEC_DECODE_COUNTERS[metric.name]] += int(metric.value)
+    return stats
 
 
 def _model_runner_name(worker: Any) -> str:

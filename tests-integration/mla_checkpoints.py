@@ -49,8 +49,9 @@ def write_mla_checkpoint(path: Path, **overrides) -> Path:
     return path
 
 
-def write_mtp_checkpoint(path: Path, num_mtp_layers: int = 1) -> Path:
-    """A DeepSeek-V3 checkpoint (``MLA``, float32) with ``num_mtp_layers`` MTP layers.
+def write_mtp_checkpoint(path: Path, num_mtp_layers: int = 1, **overrides) -> Path:
+    """A DeepSeek-V3 checkpoint (``MLA`` with ``overrides``, float32) with
+    ``num_mtp_layers`` MTP layers.
 
     transformers writes the target layers and knows nothing of MTP layers; they are
     added to its safetensors in the layout vLLM's ``DeepSeekMTP`` loads, after the
@@ -65,7 +66,7 @@ def write_mtp_checkpoint(path: Path, num_mtp_layers: int = 1) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    write_mla_checkpoint(path)
+    write_mla_checkpoint(path, **overrides)
     config_path = path / "config.json"
     config = json.loads(config_path.read_text())
     layers = config["num_hidden_layers"]
