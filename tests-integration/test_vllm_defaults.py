@@ -8,13 +8,15 @@ graph modes; this one leaves them to vLLM.
   ``--enable-dbo`` (low split thresholds, so decode steps split), eight concurrent greedy
   completions. Reference: transformers' greedy tokens, which one DP rank gives
   (``test_data_parallel_moe.py`` checks DP=2 against DP=1 eagerly). Each rank must
-  report steps run with graphs, and with DBO split steps with hand-overs. Skipped on a
-  vLLM built without ``vllm._C``, where vLLM's CPU MoE kernels do not exist.
+  report steps run with graphs, and with DBO split steps with hand-overs. On a vLLM
+  built without ``vllm._C`` the experts run as host mode's PyTorch versions of vLLM's
+  CPU MoE kernels (``worker/host_moe_ops.py``).
 * Offline engines on both model runners (``VLLM_USE_V2_MODEL_RUNNER=0`` and ``1``),
   one subprocess per runner: the tiny DeepSeek-V3-shaped MLA model, the tiny Llama
   with an EAGLE head and the DeepSeek-V3 with one MTP layer (``k = 2``). Reference:
   transformers' greedy tokens (speculation keeps the target's greedy tokens). On a vLLM
-  built without ``vllm._C`` speculative decoding on V1 must be refused at start-up.
+  built without ``vllm._C`` V1's speculative-decoding kernels run as host mode's PyTorch
+  versions (``worker/host_spec_ops.py``).
 
 SmolLM2's server at vLLM's defaults is ``test_serving.py``'s. Engines keep vLLM's
 defaults but for the dtype (float32, as transformers), lengths and a fixed KV cache
@@ -23,7 +25,6 @@ defaults but for the dtype (float32, as transformers), lengths and a fixed KV ca
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -50,13 +51,6 @@ DP_SERVER = [
 ]  # fmt: skip
 DBO = ["--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "4"]
 MOE_LAYERS = 2
-# vLLM built without its compiled ops (the empty build): V1's CPU rejection sampler and
-# EAGLE kernels are compiled ops, so host mode refuses speculative decoding on V1.
-EMPTY_BUILD = importlib.util.find_spec("vllm._C") is None
-V1_SPEC_REFUSAL = "runs speculative decoding on Model Runner V2 only"
-# MoE on an empty build: vLLM's CPU MoE layers prepack and run their experts with
-# compiled ops (torch.ops._C.prepack_moe_weight, cpu_fused_moe) that it lacks.
-NO_MOE_ON_EMPTY_BUILD = "vLLM's CPU MoE kernels are vllm._C ops, absent from an empty build"
 
 ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0)
 K = 2  # draft tokens per proposal
@@ -89,7 +83,6 @@ def _complete(server: Server, prompt: list[int]) -> list[int]:
     return choice["token_ids"]
 
 
-@pytest.mark.skipif(EMPTY_BUILD, reason=NO_MOE_ON_EMPTY_BUILD)
 @pytest.mark.parametrize("dbo", [False, True], ids=["plain", "dbo"])
 def test_dp_moe_server_at_defaults(tiny_moe, tmp_path, dbo):
     model, expected = tiny_moe
@@ -192,9 +185,6 @@ def runner_results(request, models, tmp_path_factory) -> tuple[str, dict[str, di
 def test_offline_engine_at_defaults(runner_results, models, name):
     runner, results = runner_results
     result = results[name]
-    if EMPTY_BUILD and runner == "v1" and name != "mla":
-        assert V1_SPEC_REFUSAL in result.get("error", ""), result
-        return
     assert "error" not in result, result["error"]
     for index, (ours, theirs) in enumerate(zip(result["tokens"], models[name]["expected"])):
         assert ours == theirs, f"{runner} {name}, prompt {index}: {ours} != transformers {theirs}"

@@ -111,11 +111,33 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
             host_v2_kernels.register()
 
     @classmethod
+    def device_id_to_physical_device_id(cls, device_id: int) -> int:
+        """vLLM's mapping of a local device id to a NUMA memory node, onto the nodes this
+        process may use: vLLM 0.33 gives data-parallel rank ``r`` node ``r`` and binds its
+        CPU worker's memory there, which a host with fewer nodes lacks; ranks beyond them
+        share the nodes round robin (vLLM 0.32's CPU worker ignores the mapping)."""
+        try:
+            node = super().device_id_to_physical_device_id(device_id)
+        except IndexError:  # CPU_VISIBLE_MEMORY_NODES lists fewer nodes than ranks
+            node = device_id
+        return shared_memory_node(int(node))
+
+    @classmethod
     def graph_pool_handle(cls) -> object:
         """A new npu-graphs host graph pool (vLLM's V2 graph managers ask for one)."""
         from npu_graphs import get_backend
 
         return get_backend(cls.bridge_settings.graph_backend).new_pool()
+
+
+def shared_memory_node(node: int) -> int:
+    """``node`` when this process may use it, else a usable node, round robin."""
+    from vllm.utils.cpu_resource_utils import get_memory_affinity
+
+    allowed = sorted(get_memory_affinity())
+    if not allowed or node in allowed:
+        return node
+    return allowed[node % len(allowed)]
 
 
 def refuse_expert_parallel(parallel) -> None:
