@@ -22,13 +22,20 @@ requests have passed, each drawn at random (``--seed``) from:
 * ``bad``: a prompt longer than ``max_model_len``, a negative ``max_tokens``, malformed
   JSON, an unknown model or a non-numeric temperature: each must get a 4xx answer.
 
+Every answer of the load runs to its ``max_tokens`` (vLLM's ``ignore_eos``): running
+requests keep taking pages, and the cache runs out under them (preemption).
+
 Every ``--probe-every`` seconds the clients pause, in-flight requests finish, and
 four fixed greedy chat probes are sent one at a time; every probe round must answer
 exactly what the first round did (sent after start-up, before any load). A sampler
 reads, every ``--sample-every`` seconds, the resident memory of the server's process
 tree (API server, engine core and workers; shared pages counted once per process) and
 vLLM's ``/metrics`` (``vllm:kv_cache_usage_perc``, running and waiting requests,
-``vllm:num_preemptions_total``). Loopback only; it stops by itself.
+``vllm:num_preemptions_total``). Every server process also writes its own figures
+(``soak_process_stats/sitecustomize.py``, put first on the server's ``PYTHONPATH``):
+anonymous resident bytes, glibc's heap in use and free but kept, glibc's own mappings,
+and the objects Python's collector tracks, which tell memory a program holds from memory
+the allocator keeps. Loopback only; it stops by itself.
 
     python benchmarks/soak_server.py --duration 1200
 
@@ -44,6 +51,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import os
 import random
 import sys
 import threading
@@ -157,6 +165,11 @@ class Client:
             "stream": stream,
         }
 
+    def load_chat(self, content: str, max_tokens: int, stream: bool = False) -> dict:
+        """A chat of the load: every one of its ``max_tokens`` generated (vLLM's
+        ``ignore_eos``), so that running requests keep taking KV pages."""
+        return {**self.chat(content, max_tokens, stream), "ignore_eos": True}
+
 
 def bad_request(client: Client, rng: random.Random, max_model_len: int) -> tuple[int, bytes]:
     """One of five requests the server must refuse with a 4xx."""
@@ -180,20 +193,21 @@ def one_request(
     """Send one request of ``kind``; its status and whether it is what the kind expects."""
     question = rng.choice((*PROBES, "Tell me a story about a lighthouse keeper."))
     if kind == "stream":
-        status, _ = client.stream(client.chat(question, rng.randint(16, 128), True), None)
+        status, _ = client.stream(client.load_chat(question, rng.randint(16, 128), True), None)
         return status, status == 200
     if kind == "drop":
-        status, _ = client.stream(client.chat(question, 256, True), 2)
+        status, _ = client.stream(client.load_chat(question, 256, True), 2)
         return status, status == "dropped"
     if kind == "long":
         max_tokens = rng.randint(64, 256)  # decodes that take new pages: preemption
         length = max_model_len - max_tokens - rng.randint(1, 16)
         prompt = [rng.choice(VOCAB) for _ in range(length)]
         body = {"model": client.model, "prompt": prompt, "max_tokens": max_tokens}
-        status, _ = client.post("/v1/completions", {**body, "temperature": 0.0})
+        status, _ = client.post("/v1/completions", {**body, "temperature": 0.0, "ignore_eos": True})
         return status, status == 200
     if kind == "chat":
-        status, _ = client.post("/v1/chat/completions", client.chat(question, rng.randint(8, 64)))
+        body = client.load_chat(question, rng.randint(8, 64))
+        status, _ = client.post("/v1/chat/completions", body)
         return status, status == 200
     status, _ = bad_request(client, rng, max_model_len)
     return status, 400 <= status < 500
@@ -282,16 +296,43 @@ def server_process():
     return children[0]
 
 
-def tree_rss(process) -> dict[str, int]:
-    """Resident bytes of ``process`` and every process below it, by process name
-    (vLLM names its engine core and worker processes)."""
+def tree_labels(process) -> dict[int, str]:
+    """``process`` and every process below it: pid -> name (``api_server`` for
+    ``process``; vLLM names its engine core and worker processes)."""
+    import psutil
+
+    labels = {}
+    for p in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            labels[p.pid] = "api_server" if p.pid == process.pid else p.name()
+    return labels
+
+
+def tree_rss(labels: dict[int, str]) -> dict[str, int]:
+    """Resident bytes of the processes of ``labels``, by name."""
     import psutil
 
     by_name: Counter = Counter()
-    for p in [process, *process.children(recursive=True)]:
+    for pid, name in labels.items():
         with contextlib.suppress(psutil.NoSuchProcess):
-            by_name["api_server" if p.pid == process.pid else p.name()] += p.memory_info().rss
+            by_name[name] += psutil.Process(pid).memory_info().rss
     return dict(by_name)
+
+
+def process_stats(directory: Path, labels: dict[int, str]) -> dict[str, dict]:
+    """What each live server process (``labels``: pid -> name) last wrote through
+    ``soak_process_stats``: its anonymous resident bytes, glibc's heap (in use and free
+    but kept), glibc's own mappings, and the objects the collector tracks."""
+    found: dict[str, dict] = {}
+    for path in sorted(directory.glob("*.json")):
+        pid = int(path.stem.rsplit("-", 1)[1])
+        if pid not in labels:  # a process that has ended (compile helpers, start-up)
+            continue
+        with contextlib.suppress(OSError, ValueError):  # the process is writing it
+            stats = json.loads(path.read_text())
+            stats.pop("name")
+            found[labels[pid] if labels[pid] not in found else f"{labels[pid]}-{pid}"] = stats
+    return found
 
 
 def graph_counters(directory: Path) -> dict[str, float]:
@@ -328,14 +369,17 @@ def read_metrics(port: int) -> dict[str, float]:
 
 
 def sample(port: int, process, counters_dir: Path, started: float) -> dict:
-    """One sample: time, resident bytes (in all and by process), metrics, graph counters."""
-    by_process = tree_rss(process)
+    """One sample: time, resident bytes (in all and by process), metrics, graph counters
+    and each process's allocator and collector figures."""
+    labels = tree_labels(process)
+    by_process = tree_rss(labels)
     return {
         "t": round(time.monotonic() - started, 1),
         "rss": sum(by_process.values()),
         "rss_by_process": by_process,
         **read_metrics(port),
         **graph_counters(counters_dir),
+        "processes": process_stats(counters_dir / "processes", labels),
     }
 
 
@@ -368,9 +412,19 @@ def run(args: argparse.Namespace) -> dict:
     ]  # fmt: skip
     log = args.output.with_suffix(".server.log")
     counters_dir = args.output.with_suffix(".counters")
-    counters_dir.mkdir(parents=True, exist_ok=True)
+    stats_dir = counters_dir / "processes"
+    stats_dir.mkdir(parents=True, exist_ok=True)
+    for old in stats_dir.glob("*.json"):
+        old.unlink()
+    hook = str(Path(__file__).resolve().parent / "soak_process_stats")
+    env = {
+        COUNTERS_DIR_ENV: str(counters_dir),
+        "SOAK_PROCESS_STATS_DIR": str(stats_dir),
+        "SOAK_PROCESS_STATS_EVERY": str(args.sample_every),
+        "PYTHONPATH": os.pathsep.join(filter(None, (hook, os.environ.get("PYTHONPATH")))),
+    }
     launched = time.monotonic()
-    with serve(model, server_args, log, {COUNTERS_DIR_ENV: str(counters_dir)}) as server:
+    with serve(model, server_args, log, env) as server:
         start_seconds = time.monotonic() - launched
         port = int(server.url.rsplit(":", 1)[1])
         client, process = Client(port, server.model), server_process()
@@ -460,6 +514,21 @@ def report(result: dict) -> None:
             f"{s.get('running', 0):8.0f} {s.get('waiting', 0):8.0f} {s.get('preemptions', 0):8.0f}"
             f"  graphs {s.get('captured', '-')} ({s.get('capture_bytes', 0) / mib:.0f} MiB); {by_process}"
         )
+    print(
+        "by process (MiB): anonymous RSS = glibc heap in use + free but kept + own mappings + other"
+    )
+    for mark, s in result["marks"].items():
+        for name, p in sorted(s.get("processes", {}).items()):
+            heap = (
+                f"heap used {p['malloc_used'] / mib:.0f} + free {p['malloc_free'] / mib:.0f}"
+                f", mmap {p['malloc_mmap'] / mib:.0f}"
+                if "malloc_used" in p
+                else "no glibc figures"
+            )
+            print(
+                f"  {mark:6} {name:18} anon {p.get('rss_anon', 0) / mib:6.0f}: {heap}"
+                f"; {p['gc_objects']} gc objects"
+            )
     warm, end = result["marks"]["warm"], result["marks"]["end"]
     if end["t"] > warm["t"]:
         slope = (end["rss"] - warm["rss"]) / mib / (end["t"] - warm["t"]) * 60
