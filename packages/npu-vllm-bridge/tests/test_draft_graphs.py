@@ -33,6 +33,7 @@ from npu_attention import BatchState
 from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend
 from npu_vllm_bridge.attention.builder import BridgeMetadataBuilder
 from npu_vllm_bridge.graphs.draft_graphs import (
+    DraftStepBuffers,
     draft_descriptors,
     dummy_uniform_metadata,
     pad_common_metadata,
@@ -119,6 +120,41 @@ def test_padding_refuses_a_smaller_size():
     cm = dummy_uniform_metadata(3, 1, 4, 128, "cpu")
     with pytest.raises(ValueError, match="cannot pad a batch of 3 requests"):
         pad_common_metadata(cm, 2, 2)
+
+
+def test_graphed_passes_plan_on_the_tensors_of_their_capture(draft_layer):
+    """A graph's attention tasks keep the tensors of their capture (an NPU task update
+    changes host arguments only): the capture's dummy batch and two later passes padded
+    to its key (3 and 2 real requests of other contexts) plan on the same slot, block
+    table and length tensors, each holding the pass's own padded values."""
+    _, builder = draft_layer
+    buffers = DraftStepBuffers(4, 4)
+    capture = builder.build_for_cudagraph_capture(
+        buffers.load(dummy_uniform_metadata(4, 1, 4, 128, "cpu"))
+    ).plan
+    generator = torch.Generator().manual_seed(75)
+    for contexts in ([30, 11, 50], [60, 3]):  # 4 blocks of 16 at most, as the capture's
+        kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+        batch = make_batch([(c, 1) for c in contexts], kv_cache, BLOCK_SIZE, generator)
+        expected = pad_common_metadata(batch.common, 4, 4)
+        padded = pad_common_metadata(batch.common, 4, 4, buffers)
+        for field in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
+            assert torch.equal(getattr(padded, field), getattr(expected, field)), field
+        plan = builder.build(0, padded).plan
+        for name in ("slot_mapping", "block_tables"):
+            ours, captured = getattr(plan, name), getattr(capture, name)
+            assert ours.data_ptr() == captured.data_ptr(), name
+            assert ours.shape == captured.shape, name
+        assert torch.equal(plan.block_tables, expected.block_table_tensor)
+
+
+def test_step_buffers_refuse_a_larger_batch_or_another_table_width():
+    buffers = DraftStepBuffers(2, 2)
+    buffers.load(dummy_uniform_metadata(2, 1, 4, 128, "cpu"))
+    with pytest.raises(ValueError, match="hold 2 requests / 2 tokens, got 3 / 3"):
+        buffers.load(dummy_uniform_metadata(3, 1, 4, 128, "cpu"))
+    with pytest.raises(ValueError, match=r"block_table buffer is \(4,\) torch.int32"):
+        buffers.load(dummy_uniform_metadata(2, 1, 5, 128, "cpu"))
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,11 @@ attention metadata. The bridge adds the drafter's FULL graphs beside that:
   size as vLLM pads the target's batch (requests of query length 0 on the null
   block, slot -1 tokens; the bridge's builders turn them into decodes over the null
   block) and the draft wrapper updates its tasks from the pass's per-layer metadata
-  before replaying. Everything else goes to vLLM's own drafter dispatcher.
+  before replaying. Everything else goes to vLLM's own drafter dispatcher;
+* the padded passes' device tensors (slots, block table, lengths) are copied into
+  :class:`DraftStepBuffers`, where the capture's were too: an NPU task update
+  re-issues an op on the tensors of its capture with new host arguments only, so a
+  pass's own (padded, newly made) tensors cannot reach a graphed op.
 
 Host mode runs all of it in CI; the NPU platform shares the runner mixin and runs the
 same path through npu-graphs' NPU backend, unverified on hardware.
@@ -103,18 +107,90 @@ class DraftGraphWrapper(BridgeGraphWrapper):
         graph_counters().draft_task_updates += 1
 
 
+class DraftStepBuffers:
+    """The device step tensors of the drafter's FULL passes, at fixed addresses.
+
+    A FULL graph's attention tasks hold the tensors of their capture; an NPU task
+    update re-issues each op on those tensors and changes only host arguments. Every
+    graphed drafter pass, its capture included, therefore plans on views of these
+    buffers: ``query_start_loc`` and ``seq_lens`` (int32 ``[max_reqs + 1]`` /
+    ``[max_reqs]``), ``block_table`` (int32 ``[max_reqs, width]``) and
+    ``slot_mapping`` (int64 ``[max_tokens]``), allocated on the first ``load`` with the
+    dtypes and width of its metadata.
+    """
+
+    def __init__(self, max_reqs: int, max_tokens: int) -> None:
+        if max_reqs < 1 or max_tokens < 1:
+            raise ValueError(
+                f"DraftStepBuffers needs max_reqs, max_tokens >= 1, got {max_reqs}, {max_tokens}"
+            )
+        self.max_reqs, self.max_tokens = max_reqs, max_tokens
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def load(self, cm: CommonAttentionMetadata) -> CommonAttentionMetadata:
+        """``cm`` with its device tensors copied into the buffers (views of them).
+
+        Raises:
+            ValueError: a batch larger than the buffers, or a block table of another
+                width, dtype or device than the first one loaded.
+        """
+        num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
+        if num_reqs > self.max_reqs or num_tokens > self.max_tokens:
+            raise ValueError(
+                f"the drafter's step buffers hold {self.max_reqs} requests / "
+                f"{self.max_tokens} tokens, got {num_reqs} / {num_tokens}"
+            )
+        rows = {
+            "query_start_loc": (cm.query_start_loc[: num_reqs + 1], self.max_reqs + 1),
+            "seq_lens": (cm.seq_lens[:num_reqs], self.max_reqs),
+            "block_table": (cm.block_table_tensor[:num_reqs], self.max_reqs),
+            "slot_mapping": (cm.slot_mapping[:num_tokens], self.max_tokens),
+        }
+        views = {name: self._view(name, x, size) for name, (x, size) in rows.items()}
+        return dataclasses.replace(
+            cm,
+            query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"],
+            block_table_tensor=views["block_table"],
+            slot_mapping=views["slot_mapping"],
+        )
+
+    def _view(self, name: str, rows: torch.Tensor, size: int) -> torch.Tensor:
+        buffer = self.tensors.get(name)
+        if buffer is None:
+            shape = (size, *rows.shape[1:])
+            buffer = self.tensors[name] = torch.zeros(shape, dtype=rows.dtype, device=rows.device)
+        if (buffer.shape[1:], buffer.dtype, buffer.device) != (
+            rows.shape[1:],
+            rows.dtype,
+            rows.device,
+        ):
+            raise ValueError(
+                f"the drafter's {name} buffer is {tuple(buffer.shape[1:])} {buffer.dtype} on "
+                f"{buffer.device} per row, got {tuple(rows.shape[1:])} {rows.dtype} on "
+                f"{rows.device}"
+            )
+        view = buffer[: rows.shape[0]]
+        view.copy_(rows)
+        return view
+
+
 def pad_common_metadata(
-    cm: CommonAttentionMetadata, num_reqs_padded: int, num_tokens_padded: int
+    cm: CommonAttentionMetadata,
+    num_reqs_padded: int,
+    num_tokens_padded: int,
+    buffers: DraftStepBuffers | None = None,
 ) -> CommonAttentionMetadata:
     """``cm`` padded to a graph batch as vLLM's model runner pads the target's.
 
     Padding requests have query length 0 (``query_start_loc`` repeats its last
     value), sequence length 0 and block-table rows of the null block; padding
     tokens have slot -1. ``num_reqs`` and ``num_actual_tokens`` count the padding,
-    like the runner's ``CommonAttentionMetadata`` of a padded batch.
+    like the runner's ``CommonAttentionMetadata`` of a padded batch. With ``buffers``
+    the device tensors are views of them (``DraftStepBuffers.load``).
 
     Raises:
-        ValueError: the padded sizes are smaller than the batch.
+        ValueError: the padded sizes are smaller than the batch, or exceed ``buffers``.
     """
     num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
     if num_reqs_padded < num_reqs or num_tokens_padded < num_tokens:
@@ -134,7 +210,7 @@ def pad_common_metadata(
     qsl = cm.query_start_loc[: num_reqs + 1]
     qsl_cpu = cm.query_start_loc_cpu[: num_reqs + 1]
     slots = cm.slot_mapping[:num_tokens]
-    return dataclasses.replace(
+    padded = dataclasses.replace(
         cm,
         query_start_loc=torch.cat([qsl, qsl[-1:].repeat(pad_reqs)]),
         query_start_loc_cpu=torch.cat([qsl_cpu, qsl_cpu[-1:].repeat(pad_reqs)]),
@@ -147,6 +223,7 @@ def pad_common_metadata(
         is_prefilling=pad_rows(cm.is_prefilling, False),
         positions=None,
     )
+    return padded if buffers is None else buffers.load(padded)
 
 
 def uniform_query_len(cm: CommonAttentionMetadata) -> int | None:
@@ -209,6 +286,7 @@ class DraftGraphDispatch:
         self.first_key: BatchDescriptor | None = None
         self.first_tokens = 0
         self.step_key: BatchDescriptor | None = None
+        self.buffers: DraftStepBuffers | None = None  # set with descs, by the capture
         self._propose = drafter.propose
         self._build = drafter.build_per_group_and_layer_attn_metadata
         self._determine = drafter._determine_batch_execution_and_padding
@@ -236,9 +314,8 @@ class DraftGraphDispatch:
             key = self.step_key
         if key is None:
             return self._build(cm, draft_index=draft_index)
-        return self._build(
-            pad_common_metadata(cm, key.num_reqs, key.num_tokens), draft_index=draft_index
-        )
+        padded = pad_common_metadata(cm, key.num_reqs, key.num_tokens, self.buffers)
+        return self._build(padded, draft_index=draft_index)
 
     def determine(self, num_tokens: int, use_cudagraphs: bool = True) -> Any:
         key = None
@@ -283,6 +360,7 @@ class DraftGraphs:
         # a draft model takes one more (its first pass is not a decode batch).
         self.first_pass = not drafter.needs_extra_input_slots
         self.dispatch = DraftGraphDispatch(drafter, self.wrapper, self.first_pass)
+        self.buffers: DraftStepBuffers | None = None
 
     def descriptors(self, main_descs: list[tuple[CUDAGraphMode, list]]) -> list[BatchDescriptor]:
         """Keys to capture: per request count of the target's FULL uniform graphs."""
@@ -300,6 +378,7 @@ class DraftGraphs:
         """Capture every draft key, largest first; sets the keys the dispatch uses."""
         descs = self.descriptors(main_descs)
         self.dispatch.descs = descs
+        self.dispatch.buffers = self.step_buffers(descs)
         # The drafter's builders (and whatever step buffers they keep) are its own.
         main_builders = {
             id(builder)
@@ -322,11 +401,24 @@ class DraftGraphs:
             desc=f"Capturing {backend.name} graphs (drafter, FULL)",
         )
 
+    def step_buffers(self, descs: list[BatchDescriptor]) -> DraftStepBuffers | None:
+        """The step buffers of every graphed pass (and capture) of ``descs``: one set,
+        sized for the largest key, kept across calls."""
+        if not descs:
+            return None
+        max_reqs = max(d.num_reqs or 0 for d in descs)
+        max_tokens = max(d.num_tokens for d in descs)
+        held = self.buffers
+        if held is None or held.max_reqs < max_reqs or held.max_tokens < max_tokens:
+            self.buffers = DraftStepBuffers(max_reqs, max_tokens)
+        return self.buffers
+
     def estimate(self, backend: GraphBackend, main_descs: list) -> int:
         """Own bytes of every draft graph, fit on the largest and smallest capture."""
         descs = self.descriptors(main_descs)
         if not descs:
             return 0
+        self.step_buffers(descs)
         samples = []
         for desc in {descs[0].num_tokens: descs[0], descs[-1].num_tokens: descs[-1]}.values():
             before, _ = backend.memory_breakdown()
@@ -371,6 +463,8 @@ class DraftGraphs:
             self.vllm_config.model_config.max_model_len,
             self.drafter.device,
         )
+        if self.buffers is not None:  # the tensors every replay of the key plans on
+            cm = self.buffers.load(cm)
         per_layer: dict[str, Any] = {}
         for group in self.drafter.draft_attn_groups:
             metadata = group.build_metadata_for_cudagraph_capture(cm, 0)
