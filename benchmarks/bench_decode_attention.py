@@ -23,15 +23,17 @@ Gluon decode kernel (``hopper_decode``); ``portable_us`` is the same provider wi
 With ``--kv-cache-dtype KIND`` (``fp8``, ``fp8_e4m3``, ``int8_per_token_head``,
 ``fp8_per_token_head``) only the 8-bit cache is timed against the 16-bit cache, at
 16 x 16384 and 64 x 4096 (block sizes 16 and 128), in interleaved rounds of CUDA-graph
-replays: ``bf16_us`` is the provider as a user gets it (the Gluon decode on Hopper),
-``kind_us`` the same provider over 8-bit pages (the portable kernel, dequantizing in
-registers), ``speedup`` their ratio; both errors are against SDPA on the 16-bit K/V.
-``--kv-variants`` times other settings of the 8-bit decode (``KV_DTYPE_VARIANTS``) in
-the same rounds.
+replays: ``bf16_us`` is the provider as a user gets it (the Gluon decode on Hopper
+where the programs fit one wave, else the portable kernel), ``kind_us`` the same
+provider over 8-bit pages (on Hopper the Gluon decode, dequantizing in registers),
+``speedup`` their ratio; both errors are against SDPA on the 16-bit K/V.
+``--kv-variants`` times other settings of the 8-bit decode (``KV_DTYPE_VARIANTS``:
+the Gluon decode's rings and warps, one wave only, the portable kernel with and
+without the arithmetic conversion) in the same rounds.
 
     python benchmarks/bench_decode_attention.py [--tune] [--quick] [--hopper]
     python benchmarks/bench_decode_attention.py --kv-cache-dtype int8_per_token_head \
-        [--kv-variants default,wide,split]
+        [--kv-variants default,gluon_s2,portable]
 """
 
 from __future__ import annotations
@@ -135,6 +137,20 @@ KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
                    "min_unsplit_fill_8bit": 8.0},
     "wide_split4": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE,
                     "min_unsplit_fill_8bit": 8.0, "target_waves_8bit": 4},
+    # The Gluon decode over 8-bit pages (the default: 128-key tiles, 4 stages, 4 warps,
+    # decodes of one wave) and the alternatives; the portable kernel converting fp8 by
+    # arithmetic and int8 by conversion instructions (the default), or either for both.
+    "gluon_s2": {"hopper_decode_launch_long_8bit": {"block_n": 128, "num_warps": 4,
+                                                    "num_stages": 2}},
+    "gluon_s6": {"hopper_decode_launch_long_8bit": {"block_n": 128, "num_warps": 4,
+                                                    "num_stages": 6}},
+    "gluon_w8": {"hopper_decode_launch_long_8bit": {"block_n": 128, "num_warps": 8,
+                                                    "num_stages": 4}},
+    "gluon_multi_wave": {"hopper_decode_multi_wave_8bit": True},
+    "portable": {"hopper_decode_8bit": False},
+    "portable_cvt": {"hopper_decode_8bit": False, "fast_dequant_pages": ()},
+    "portable_fast": {"hopper_decode_8bit": False,
+                      "fast_dequant_pages": (torch.int8, torch.float8_e4m3fn)},
 }  # fmt: skip
 
 

@@ -1,9 +1,11 @@
 """The ``triton`` provider over 8-bit KV caches: the write kernel quantizes as vLLM
-defines each kind, the portable attention kernel dequantizes 8-bit pages in registers;
-both against the float64 oracle on the dequantized cache (``kv_quant_cases``), at the
-provider's tolerances (``npu_attention_cases.TOLERANCE``). Without a GPU the kernels
-run under Triton's interpreter (small cases, float32); on a GPU in bfloat16, with a
-CUDA graph replaying the next batch."""
+defines each kind, the attention kernels (the portable one, and on Hopper GPUs the
+Gluon decode) dequantize 8-bit pages in registers; all against the float64 oracle on
+the dequantized cache (``kv_quant_cases``), at the provider's tolerances
+(``npu_attention_cases.TOLERANCE``). Without a GPU the kernels run under Triton's
+interpreter (small cases, float32); on a GPU in bfloat16 (and float16 for the Gluon
+decode), with a CUDA graph replaying the next batch, and the register conversions of
+``dequant.py`` checked on every code against torch's."""
 
 from __future__ import annotations
 
@@ -17,12 +19,17 @@ from kv_quant_cases import (
     run_quantized,
 )
 from npu_attention_cases import TOLERANCE, make_case
+from test_triton_provider import record_launches
 from triton_interpreter import DEVICE, HAS_CUDA
 
 from npu_attention import AttentionSpec, BatchState, plan, run
+from npu_attention.registry import get_provider
 from npu_attention.kv_quant import ScaleKind
+from npu_attention.providers import triton as triton_provider
 
 pytest.importorskip("triton")
+
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
 BATCHES = {  # (query_lens, context_lens, num_decodes, num_speculative_tokens, state)
@@ -131,3 +138,69 @@ def test_gpu_graph_replay_of_the_next_batch(kind: str) -> None:
     torch.cuda.synchronize()
     expected = oracle(second, nxt, BatchState.DECODE_ONLY)
     torch.testing.assert_close(out.cpu().double(), expected.cpu(), **TOLERANCE[spec.dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn])
+def test_gpu_register_conversion_of_every_code(codes: torch.dtype, dtype: torch.dtype) -> None:
+    """``dequant_tl`` against torch's conversion on all 256 codes, in shuffled order
+    (NaN codes, which no write produces, read as +-480)."""
+    import triton
+    import triton.language as tl
+
+    from npu_attention.providers.triton_kernels.dequant import dequant_tl
+
+    @triton.jit
+    def convert(src, dst, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(dst + offs, dequant_tl(tl.load(src + offs), dst.dtype.element_ty))
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    bytes_ = every[torch.randperm(1024, generator=torch.Generator().manual_seed(0)) % 256]
+    src = bytes_.view(codes).cuda()
+    out = torch.empty(1024, dtype=dtype, device="cuda")
+    convert[(1,)](src, out, N=1024)
+    expected = src.cpu().float()
+    nan = expected.isnan()
+    expected[nan] = torch.where(bytes_[nan] >= 128, -480.0, 480.0)
+    assert torch.equal(out.cpu().float(), expected.to(dtype).float())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HOPPER, reason="needs a GPU of compute capability 9.x")
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_gpu_hopper_decode_over_8bit_pages(
+    kind: str, head_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Gluon decode reads the 8-bit pages: decodes ending around page edges, a
+    speculative decode, one long request split over programs, more programs than
+    multiprocessors (taken when ``hopper_decode_multi_wave_8bit`` is on); bfloat16 and
+    float16."""
+    provider = get_provider("triton", torch.device("cuda"))
+    monkeypatch.setattr(provider, "hopper_decode_multi_wave_8bit", True)
+    kernels = triton_provider._hopper_decode_kernels(torch.device("cuda"))
+    assert kernels is not None, "this GPU and Triton should take the Hopper kernel"
+    launches = record_launches(
+        monkeypatch, kernels, "hopper_decode",
+        lambda kw: (kw["num_splits"], kw["k_scale"] is not None),
+    )  # fmt: skip
+    many = torch.cuda.get_device_properties(0).multi_processor_count // 4 + 3
+    batches = {  # (query_lens, context_lens, num_speculative_tokens, dtype)
+        "page_edges": ([1] * 4, [15, 16, 17, 1300], 0, torch.bfloat16),
+        "spec_decoding": ([3, 3], [5, 290], 2, torch.bfloat16),
+        "split": ([1], [3000], 0, torch.bfloat16),
+        "multi_wave": ([1] * many, [100 + 37 * i for i in range(many)], 0, torch.bfloat16),
+        "float16": ([1, 1], [63, 700], 0, torch.float16),
+    }
+    for name, (q, ctx, spec_tokens, dtype) in batches.items():
+        spec = AttentionSpec(8, 4, head_size, 16, dtype=dtype, kv_cache_dtype=kind,
+                             num_speculative_tokens=spec_tokens)  # fmt: skip
+        case = make_case(spec, q, ctx, len(q), pad_tokens=2, seed=head_size, device="cuda")
+        launches.clear()
+        out, quant, step = run_quantized(case, provider="triton")
+        assert launches and all(scaled for _, scaled in launches), name
+        if name == "split":
+            assert launches[0][0] > 1
+        _check(case, out, quant, step)

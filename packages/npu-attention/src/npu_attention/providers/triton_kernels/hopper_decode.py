@@ -18,6 +18,15 @@ It covers one-token and speculative decodes (query tokens causal among themselve
 GQA, head sizes 64/128/256 (16-bit), page sizes that are powers of two from 8 tokens
 up, splits of the keys (merged by the portable merge kernel) and the optional
 log-sum-exp. Sliding windows and soft caps stay on the portable kernel.
+
+8-bit pages (``npu_attention.kv_quant``: int8 or e4m3 codes, per-tensor or
+per-token-head scales) travel through TMA as they are, half the bytes a tile, and are
+converted in the consumer's registers (``dequant.py``): keys straight from shared
+memory into the score MMA's operand (four codes of a row a thread, query columns
+permuted alike), values through a 16-bit copy in the operand's layout. Per-token-head
+key scales multiply the scores' columns and value scales the probabilities: the
+loader copies each tile's scales into rings of their own (``cp.async``, completing on
+the tile's key barrier); per-tensor scales join the score scale and the output.
 :func:`hopper_decode_supported` says whether a call can take this path; the caller
 checks the device (compute capability 9.x).
 """
@@ -30,10 +39,12 @@ from npu_attention.providers.triton_kernels.utils import nvmma_shared_layout
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.core import _aggregate as aggregate
+
+    from npu_attention.providers.triton_kernels.dequant import dequant_gl
 
     HAVE_GLUON = True
 except ImportError:  # older Triton, triton-ascend: the portable kernel serves
@@ -43,6 +54,8 @@ _LOG2E = 1.4426950408889634
 HEAD_SIZES = (64, 128, 256)
 MAX_ROWS = 64  # query rows of a program: query heads of a KV head x query tokens
 _RING_BYTES = 192 * 1024  # shared memory for the K/V stages (H100: 227 KiB a block)
+EIGHT_BIT_PAGES = (torch.int8, torch.float8_e4m3fn)
+_GL_PAGES = {torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv} if HAVE_GLUON else {}
 _MAX_STAGES = 8
 
 
@@ -51,10 +64,10 @@ def key_tile(head_size: int, block_n: int = 64) -> int:
     return block_n if head_size <= 128 else min(block_n, 64)
 
 
-def max_stages(head_size: int, block_n: int = 64) -> int:
-    """The deepest K/V ring of ``block_n``-key tiles: as many as ``_RING_BYTES`` holds,
-    at most 8."""
-    stage_bytes = 2 * key_tile(head_size, block_n) * head_size * 2
+def max_stages(head_size: int, block_n: int = 64, element_size: int = 2) -> int:
+    """The deepest K/V ring of ``block_n``-key tiles of ``element_size``-byte elements:
+    as many as ``_RING_BYTES`` holds, at most 8."""
+    stage_bytes = 2 * key_tile(head_size, block_n) * head_size * element_size
     return max(1, min(_MAX_STAGES, _RING_BYTES // stage_bytes))
 
 
@@ -78,19 +91,26 @@ def hopper_decode_supported(
     value_cache: torch.Tensor,
     out: torch.Tensor,
     rows: int,
+    k_scale: torch.Tensor | None = None,
 ) -> bool:
     """Whether :func:`hopper_decode` takes ``query``/``out`` ``[tokens, heads,
     head_size]`` against caches ``[num_blocks, block_size, kv_heads, head_size]`` with
     ``rows`` query rows per program: Gluon present, CUDA tensors, :func:`shape_supported`,
     and caches whose rows a 2-D tensor descriptor can address (``[num_blocks *
-    block_size, kv_heads * head_size]``, 16-byte aligned)."""
+    block_size, kv_heads * head_size]``, 16-byte aligned), in the query's dtype or,
+    with ``k_scale`` (8-bit pages), both int8 or both float8_e4m3fn."""
     if not HAVE_GLUON or query.device.type != "cuda":
         return False
     if not shape_supported(query.shape[-1], query.dtype, key_cache.shape[1], rows):
         return False
     if out.dtype != query.dtype or out.stride(-1) != 1 or query.stride(-1) != 1:
         return False
-    return all(_pages_take_descriptor(c, query.dtype) for c in (key_cache, value_cache))
+    pages = query.dtype
+    if k_scale is not None:
+        pages = key_cache.dtype
+        if pages not in EIGHT_BIT_PAGES:
+            return False
+    return all(_pages_take_descriptor(c, pages) for c in (key_cache, value_cache))
 
 
 def _pages_take_descriptor(cache: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -124,6 +144,8 @@ def hopper_decode(
     stages: int = 2,
     block_n: int = 64,
     num_warps: int = 4,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention of each request's query tokens over its cached keys, into ``out``.
 
@@ -131,7 +153,8 @@ def hopper_decode(
         query: ``[tokens, heads, head_size]`` fp16/bf16; request ``r`` holds rows
             ``cu_seqlens_q[r]:cu_seqlens_q[r + 1]``, at most ``tokens_per_req`` of them
             (``1 + num_speculative_tokens``), causal among themselves.
-        key_cache, value_cache: ``[num_blocks, block_size, kv_heads, head_size]``.
+        key_cache, value_cache: ``[num_blocks, block_size, kv_heads, head_size]``, in
+            the query's dtype, or 8-bit pages (int8 / float8_e4m3fn) with scales.
         out: ``[tokens, heads, head_size]`` (any strides, last one 1).
         cu_seqlens_q: int32 ``[num_reqs + 1]``; seq_lens: int32 ``[num_reqs]`` (context +
             new tokens); block_tables: int32 ``[num_reqs, max_blocks]``; all on the device.
@@ -142,6 +165,9 @@ def hopper_decode(
         stages: K/V tiles in flight, at most :func:`max_stages`.
         block_n: keys per tile (64 or 128; at most 64 at head size 256).
         num_warps: warps of the consumer (4 or 8), which split each tile's keys.
+        k_scale, v_scale: float32 scales of 8-bit pages: one element each (per tensor)
+            or ``[num_blocks, block_size, kv_heads]`` of any strides (per token and
+            head); ``None`` for pages in the query's dtype.
 
     The caller checks :func:`hopper_decode_supported`. Rows past ``cu_seqlens_q[-1]``
     are left untouched.
@@ -156,8 +182,10 @@ def hopper_decode(
     block_n = key_tile(head_size, block_n)
     page_rows = min(block_size, block_n)
     dtype = gl.float16 if query.dtype == torch.float16 else gl.bfloat16
-    k_desc = _page_descriptor(key_cache, page_rows, dtype)
-    v_desc = _page_descriptor(value_cache, page_rows, dtype)
+    kv_quant, scale_args = _scale_args(k_scale, v_scale, out)
+    page_dtype = dtype if kv_quant == 0 else _GL_PAGES[key_cache.dtype]
+    k_desc = _page_descriptor(key_cache, page_rows, page_dtype)
+    v_desc = _page_descriptor(value_cache, page_rows, page_dtype)
     split = num_splits > 1
     partial_out, partial_lse = split_buffers(out, num_splits, head_size) if split else (out, out)
     write_lse = lse is not None and not split
@@ -179,19 +207,33 @@ def hopper_decode(
         *lse_strides,
         block_tables.stride(0),
         scale * _LOG2E,
+        *scale_args,
         NUM_HEADS=num_heads,
         QUERIES_PER_KV=queries_per_kv,
         ROWS=rows,
         BLOCK_M=max(16, 1 << (rows - 1).bit_length()),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
-        STAGES=min(stages, max_stages(head_size, block_n)),
+        STAGES=min(stages, max_stages(head_size, block_n, key_cache.element_size())),
         SPLIT=split,
         WRITE_LSE=write_lse,
+        KV_QUANT=kv_quant,
         num_warps=num_warps,
     )
     if split:
         merge_splits(out, partial_out, partial_lse, lse, cu_seqlens_q, num_reqs, num_splits)
+
+
+def _scale_args(
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, placeholder: torch.Tensor
+) -> tuple[int, tuple]:
+    """``KV_QUANT`` (0: 16-bit pages, 1: per-tensor scales, 2: per token and head) and
+    the kernel's scale arguments: the two pointers and their block, slot and head strides."""
+    if k_scale is None or v_scale is None:
+        return 0, (placeholder, placeholder, *(0,) * 6)
+    if k_scale.dim() == 3:
+        return 2, (k_scale, v_scale, *k_scale.stride(), *v_scale.stride())
+    return 1, (k_scale, v_scale, *(0,) * 6)
 
 
 def _page_descriptor(cache: torch.Tensor, page_rows: int, dtype) -> "TensorDescriptor":
@@ -431,10 +473,190 @@ if HAVE_GLUON:
             kv_head, stride_ot, stride_oh, stride_lt, stride_lh, shape,
         )  # fmt: skip
 
+    @aggregate
+    class _Scales:
+        """The scales of 8-bit pages: ``kv_quant`` 1, one float32 element each at
+        ``k_ptr``/``v_ptr``; 2, per token and KV head (block, slot and head strides)."""
+
+        k_ptr: gl.tensor
+        v_ptr: gl.tensor
+        k_block: gl.tensor
+        k_slot: gl.tensor
+        k_head: gl.tensor
+        v_block: gl.tensor
+        v_slot: gl.tensor
+        v_head: gl.tensor
+        kv_quant: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, k_ptr, v_ptr, k_block, k_slot, k_head, v_block, v_slot, v_head,
+                     kv_quant):  # fmt: skip
+            self.k_ptr = k_ptr
+            self.v_ptr = v_ptr
+            self.k_block = k_block
+            self.k_slot = k_slot
+            self.k_head = k_head
+            self.v_block = v_block
+            self.v_slot = v_slot
+            self.v_head = v_head
+            self.kv_quant = gl.constexpr(kv_quant)
+
+    @gluon.jit
+    def _copy_scales(scales: _Scales, ks_smem, vs_smem, ready, pages, kv_head, first, hi, offs,
+                     BLOCK_SIZE: gl.constexpr):  # fmt: skip
+        """``cp.async`` of the key and value scales of keys ``first + offs`` (on
+        ``pages``; zeros at or past ``hi``) into ``ks_smem``/``vs_smem``; ``ready``
+        completes only once they have landed."""
+        keys = first + offs
+        slot = keys % BLOCK_SIZE
+        block = pages.to(gl.int64)
+        k_at = block * scales.k_block + slot * scales.k_slot + kv_head * scales.k_head
+        v_at = block * scales.v_block + slot * scales.v_slot + kv_head * scales.v_head
+        async_copy.async_copy_global_to_shared(ks_smem, scales.k_ptr + k_at, mask=keys < hi)
+        async_copy.async_copy_global_to_shared(vs_smem, scales.v_ptr + v_at, mask=keys < hi)
+        async_copy.mbarrier_arrive(ready)
+
+    @gluon.jit
+    def _load_partition_scaled(
+        k_desc, v_desc, k_smem, v_smem, ks_smem, vs_smem, bars, seq_lens_ptr, block_tables_ptr,
+        table_width, stride_bt, shape: _Shape, scales: _Scales,
+    ):  # fmt: skip
+        """``_load_partition`` over pages with per-token-head scales: each tile's scales
+        copied into their rings before its pages are fetched (the page of every key read
+        one tile ahead, as the pieces' pages are)."""
+        k_ready, v_ready, empty = bars
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        HEAD: gl.constexpr = k_smem.type.shape[2]
+        PAGE_ROWS: gl.constexpr = k_desc.block_type.shape[0]
+        PIECES: gl.constexpr = BLOCK_N // PAGE_ROWS
+        BLOCK_SIZE: gl.constexpr = shape.block_size
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        key_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+        req = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        row = block_tables_ptr + req.to(gl.int64) * stride_bt
+        offs = gl.arange(0, PIECES, layout=layout)
+        key_offs = gl.arange(0, BLOCK_N, layout=key_layout)
+        pages, lo, hi, num_tiles = first_tile_pages(
+            row, table_width, seq_lens_ptr + req, offs, PAGE_ROWS, BLOCK_SIZE, BLOCK_N,
+            shape.split,
+        )  # fmt: skip
+        key_pages = tile_pages(row, table_width, lo, hi, key_offs, 1, BLOCK_SIZE)
+        for j in range(num_tiles):
+            first = lo + j * BLOCK_N
+            upcoming = tile_pages(
+                row, table_width, first + BLOCK_N, hi, offs, PAGE_ROWS, BLOCK_SIZE
+            )
+            upcoming_keys = tile_pages(
+                row, table_width, first + BLOCK_N, hi, key_offs, 1, BLOCK_SIZE
+            )
+            stage = j % STAGES
+            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # fresh: counts as freed
+            _copy_scales(
+                scales, ks_smem.index(stage), vs_smem.index(stage), k_ready.index(stage),
+                key_pages, kv_head, first, hi, key_offs, BLOCK_SIZE,
+            )  # fmt: skip
+            for i in gl.static_range(PIECES):
+                key = first + i * PAGE_ROWS
+                page = gl.sum(gl.where(offs == i, pages, 0), axis=0)
+                coord = [page * BLOCK_SIZE + key % BLOCK_SIZE, kv_head * HEAD]
+                _fetch_piece(k_desc, k_smem, k_ready, stage, i, coord, key < hi)
+                _fetch_piece(v_desc, v_smem, v_ready, stage, i, coord, key < hi)
+            pages = upcoming
+            key_pages = upcoming_keys
+
+    @gluon.jit
+    def _consumer_partition_8bit(
+        q_ptr, k_smem, v_smem, ks_smem, vs_smem, bars, out_ptr, partial_out_ptr,
+        partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, stride_qt, stride_qh,
+        stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, shape: _Shape, scales: _Scales,
+    ):  # fmt: skip
+        """``_consumer_partition`` over 8-bit pages: keys loaded four codes of a row a
+        thread into the score MMA's operand and converted there (the query's columns
+        take the same order: ``k_width`` 4 on both operands), values converted in a
+        row-wise layout and moved into their operand's; scales applied to the scores
+        and probabilities (per token and head, read a tile ahead) or to the score scale
+        and the output (per tensor); per-token-head scales come from the loader's rings."""
+        k_ready, v_ready, empty = bars
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+        HEAD: gl.constexpr = k_smem.type.shape[2]
+        BLOCK_M: gl.constexpr = shape.block_m
+        DTYPE: gl.constexpr = q_ptr.dtype.element_ty
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[1, gl.num_warps()], instr_shape=[16, 8]
+        )
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+        k_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        v_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        plain: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        ROW_THREADS: gl.constexpr = HEAD // 16  # 16 codes (16 bytes) a thread
+        rows: gl.constexpr = gl.BlockedLayout(
+            [1, 16], [32 // ROW_THREADS, ROW_THREADS], [gl.num_warps(), 1], [1, 0]
+        )
+        cols: gl.constexpr = gl.SliceLayout(0, mma)
+        req = gl.program_id(0)
+        kv_head = gl.program_id(1)
+        q_start = gl.load(cu_seqlens_q_ptr + req)
+        q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
+        seq_len = gl.load(seq_lens_ptr + req)
+        lo, hi = split_key_range(seq_len, BLOCK_N)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        q = _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, HEAD, shape, plain)
+        q = gl.convert_layout(q, q_layout)
+        context_len = seq_len - q_len
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+        row_end = gl.minimum(context_len + r // shape.queries_per_kv + 1, hi)
+        num_full = gl.maximum(gl.minimum(hi, context_len + 1) - lo, 0) // BLOCK_N
+        out_scale = 1.0
+        if scales.kv_quant == 1:
+            qk_scale = qk_scale * gl.load(scales.k_ptr)
+            out_scale = gl.load(scales.v_ptr)
+        offs = gl.arange(0, BLOCK_N, layout=cols)
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, mma))
+        acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=mma)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+        for j in range(num_tiles):
+            stage = j % STAGES
+            phase = (j // STAGES) & 1
+            first = lo + j * BLOCK_N
+            mbarrier.wait(k_ready.index(stage), phase)
+            k = k_smem.index(stage).permute((1, 0)).load(k_layout)
+            s = mma_v2(q, dequant_gl(k, DTYPE), zero_s)
+            if scales.kv_quant == 2:
+                s = s * ks_smem.index(stage).load(cols)[None, :]
+            masked = j >= num_full
+            if masked:
+                keys = first + offs
+                s = gl.where(keys[None, :] < row_end[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * qk_scale - m_safe[:, None])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            mbarrier.wait(v_ready.index(stage), phase)
+            # Rows past the keys (never fetched) convert to finite values that meet p = 0.
+            v = v_smem.index(stage).load(rows)
+            if scales.kv_quant == 2:
+                p = p * vs_smem.index(stage).load(cols)[None, :]
+            mbarrier.arrive(empty.index(stage), count=1)
+            v = gl.convert_layout(dequant_gl(v, DTYPE), v_layout)
+            p_op = gl.convert_layout(p.to(DTYPE), p_layout)
+            acc = mma_v2(p_op, v, acc * alpha[:, None])
+        _store_rows(
+            acc, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr, q_start, q_len,
+            kv_head, stride_ot, stride_oh, stride_lt, stride_lh, shape, out_scale,
+        )  # fmt: skip
+
     @gluon.jit
     def _store_rows(
         acc, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr, q_start, q_len,
-        kv_head, stride_ot, stride_oh, stride_lt, stride_lh, shape: _Shape,
+        kv_head, stride_ot, stride_oh, stride_lt, stride_lh, shape: _Shape, out_scale=1.0,
     ):  # fmt: skip
         """Normalize and write the real rows: to ``out`` (and ``lse``), or as this
         split's partial rows (output and log2-domain LSE) for the merge kernel."""
@@ -448,7 +670,7 @@ if HAVE_GLUON:
         valid = (r < shape.rows) & (token_in_req < q_len)
         token = (q_start + token_in_req).to(gl.int64)
         seen = l_i > 0.0  # a row that saw no key: output zeros, LSE -inf
-        out = acc / gl.where(seen, l_i, 1.0)[:, None]
+        out = acc * (out_scale / gl.where(seen, l_i, 1.0))[:, None]
         lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
         if shape.split:
             row = (token * shape.num_heads + head) * gl.num_programs(2) + gl.program_id(2)
@@ -464,14 +686,21 @@ if HAVE_GLUON:
                     mask=valid,
                 )
 
-    @gluon.jit
+    # Values the scales' aggregate holds as tensors: never specialized into constants.
+    _SCALE_ARGS = (
+        "stride_ksb", "stride_kst", "stride_ksh", "stride_vsb", "stride_vst", "stride_vsh",
+    )  # fmt: skip
+
+    @gluon.jit(do_not_specialize=_SCALE_ARGS)
     def _hopper_decode_kernel(
         q_ptr, k_desc, v_desc, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr,
         cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, table_width,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, stride_bt, qk_scale,
+        ks_ptr, vs_ptr, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
         NUM_HEADS: gl.constexpr, QUERIES_PER_KV: gl.constexpr, ROWS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
+        KV_QUANT: gl.constexpr,
     ):  # fmt: skip
         HEAD: gl.constexpr = k_desc.block_type.shape[1]
         PIECES: gl.constexpr = BLOCK_N // k_desc.block_type.shape[0]
@@ -486,15 +715,48 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=1)
         bars = (k_ready, v_ready, empty)
         shape = _Shape(NUM_HEADS, QUERIES_PER_KV, ROWS, BLOCK_M, BLOCK_SIZE, SPLIT, WRITE_LSE)
-        consumer_args = (
-            q_ptr, k_smem, v_smem, bars, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr,
-            cu_seqlens_q_ptr, seq_lens_ptr, stride_qt, stride_qh, stride_ot, stride_oh,
-            stride_lt, stride_lh, qk_scale, shape,
-        )  # fmt: skip
         load_args = (
             k_desc, v_desc, k_smem, v_smem, bars, seq_lens_ptr, block_tables_ptr,
             table_width, stride_bt, shape,
         )  # fmt: skip
-        gl.warp_specialize(
-            [(_consumer_partition, consumer_args), (_load_partition, load_args)], [1], [32]
-        )
+        if KV_QUANT == 0:
+            consumer_args = (
+                q_ptr, k_smem, v_smem, bars, out_ptr, partial_out_ptr, partial_lse_ptr,
+                lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, stride_qt, stride_qh, stride_ot,
+                stride_oh, stride_lt, stride_lh, qk_scale, shape,
+            )  # fmt: skip
+            gl.warp_specialize(
+                [(_consumer_partition, consumer_args), (_load_partition, load_args)], [1], [32]
+            )
+        else:
+            scales = _Scales(
+                ks_ptr, vs_ptr, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
+                stride_vsh, KV_QUANT,
+            )  # fmt: skip
+            ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ring)
+            vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ring)
+            consumer_args = (
+                q_ptr, k_smem, v_smem, ks_smem, vs_smem, bars, out_ptr, partial_out_ptr,
+                partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, stride_qt, stride_qh,
+                stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, shape, scales,
+            )  # fmt: skip
+            if KV_QUANT == 1:
+                gl.warp_specialize(
+                    [(_consumer_partition_8bit, consumer_args), (_load_partition, load_args)],
+                    [1],
+                    [32],
+                )
+            else:
+                load_args = (
+                    k_desc, v_desc, k_smem, v_smem, ks_smem, vs_smem, bars, seq_lens_ptr,
+                    block_tables_ptr, table_width, stride_bt, shape, scales,
+                )  # fmt: skip
+                gl.warp_specialize(
+                    [
+                        (_consumer_partition_8bit, consumer_args),
+                        (_load_partition_scaled, load_args),
+                    ],
+                    [1],
+                    [32],
+                )

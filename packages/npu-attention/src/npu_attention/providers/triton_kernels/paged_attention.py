@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from npu_attention.providers.triton_kernels.dequant import dequant_tl
 from npu_attention.providers.triton_kernels.utils import next_power_of_2
 
 _LOG2E = 1.4426950408889634
@@ -55,6 +56,8 @@ class AttentionLaunchConfig:
     ``prefetch_tiles``: each decode program (CUDA, no sliding window) asks the L2 for the
     K/V rows of its first ``prefetch_tiles * block_n`` keys (rounded up to a power of
     two) as it starts, while its lengths are still on their way, instead of after them.
+    ``fast_dequant``: 8-bit pages converted by integer and float arithmetic
+    (``dequant.py``) instead of conversion instructions (CUDA, 16-bit queries).
     """
 
     block_m: int
@@ -64,6 +67,7 @@ class AttentionLaunchConfig:
     num_splits: int = 1
     pdl: bool = False
     prefetch_tiles: int = 0
+    fast_dequant: bool = False
 
 
 @triton.jit
@@ -141,6 +145,7 @@ def _attend_keys(
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr = 0,
+    FAST_DEQUANT: tl.constexpr = False,
 ):
     """Online-softmax update over keys ``[key_positions_start, key_positions_end)``.
 
@@ -194,7 +199,7 @@ def _attend_keys(
         else:
             k = tl.load(k_ptrs)
         if KV_QUANT > 0:
-            k = k.to(q.dtype)
+            k = dequant_tl(k, q.dtype) if FAST_DEQUANT else k.to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION)
         if KV_QUANT == 2:
             k_scales = tl.load(ks_ptr + ks_rows, mask=n_mask, other=0.0)
@@ -228,7 +233,7 @@ def _attend_keys(
             v = tl.load(v_ptrs)
         p_v = p
         if KV_QUANT > 0:
-            v = v.to(q.dtype)
+            v = dequant_tl(v, q.dtype) if FAST_DEQUANT else v.to(q.dtype)
             if KV_QUANT == 2:
                 p_v = p * tl.load(vs_ptr + vs_rows, mask=n_mask, other=0.0)[None, :]
         acc = tl.dot(p_v.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -341,6 +346,7 @@ def _paged_attention_kernel(
     PREFETCH_KEYS: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
     KV_QUANT: tl.constexpr = 0,
+    FAST_DEQUANT: tl.constexpr = False,
 ):
     if PDL:  # launched early: wait for the kernel before this one, let the next one start
         tl.extra.cuda.gdc_wait()
@@ -427,6 +433,7 @@ def _paged_attention_kernel(
         stride_vst, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
         BLOCK_N, PAGED, PAGE_TILES,
         False, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, KV_QUANT,
+        FAST_DEQUANT,
     )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
         acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
@@ -435,6 +442,7 @@ def _paged_attention_kernel(
         stride_vst, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
         BLOCK_N, PAGED, PAGE_TILES,
         True, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, KV_QUANT,
+        FAST_DEQUANT,
     )  # fmt: skip
 
     if KV_QUANT == 1:  # the value scale, on the output
@@ -646,6 +654,10 @@ def paged_attention(
         PREFETCH_KEYS=prefetch_keys,
         LINE_ELEMS=128 // key_cache.element_size(),
         KV_QUANT=kv_quant,
+        FAST_DEQUANT=bool(kv_quant)
+        and config.fast_dequant
+        and query.device.type == "cuda"
+        and query.dtype in (torch.float16, torch.bfloat16),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **_pdl_launch(use_pdl),
