@@ -34,8 +34,8 @@ vLLM's ``/metrics`` (``vllm:kv_cache_usage_perc``, running and waiting requests,
 ``vllm:num_preemptions_total``). Every server process also writes its own figures
 (``soak_process_stats/sitecustomize.py``, put first on the server's ``PYTHONPATH``):
 anonymous resident bytes, glibc's heap in use and free but kept, glibc's own mappings,
-and the objects Python's collector tracks, which tell memory a program holds from memory
-the allocator keeps. Loopback only; it stops by itself.
+and the blocks Python's allocator has handed out, which tell memory a program holds from
+memory the allocator keeps. Loopback only; it stops by itself.
 
     python benchmarks/soak_server.py --duration 1200
 
@@ -322,7 +322,7 @@ def tree_rss(labels: dict[int, str]) -> dict[str, int]:
 def process_stats(directory: Path, labels: dict[int, str]) -> dict[str, dict]:
     """What each live server process (``labels``: pid -> name) last wrote through
     ``soak_process_stats``: its anonymous resident bytes, glibc's heap (in use and free
-    but kept), glibc's own mappings, and the objects the collector tracks."""
+    but kept), glibc's own mappings, and the blocks Python's allocator has handed out."""
     found: dict[str, dict] = {}
     for path in sorted(directory.glob("*.json")):
         pid = int(path.stem.rsplit("-", 1)[1])
@@ -527,7 +527,7 @@ def report(result: dict) -> None:
             )
             print(
                 f"  {mark:6} {name:18} anon {p.get('rss_anon', 0) / mib:6.0f}: {heap}"
-                f"; {p['gc_objects']} gc objects"
+                f"; {p['py_blocks']} Python blocks"
             )
     warm, end = result["marks"]["warm"], result["marks"]["end"]
     if end["t"] > warm["t"]:

@@ -7,7 +7,9 @@ Python see it to ``$SOAK_PROCESS_STATS_DIR/<process name>-<pid>.json``:
 * ``malloc_heap``: bytes glibc's arenas hold (``mallinfo2().arena``), of which
   ``malloc_used`` are allocated and ``malloc_free`` free but kept; ``malloc_mmap``: bytes
   of blocks glibc mapped on their own (returned to the system when freed);
-* ``gc_objects``: objects the garbage collector tracks.
+* ``py_blocks``: memory blocks Python's own allocator has handed out
+  (``sys.getallocatedblocks``; not ``gc.get_objects``, whose list would hold a tuple
+  another thread is still building, which then fails to resize: ``SystemError``).
 
 Forked children (vLLM's engine core and workers) start their own thread. Does nothing
 without ``SOAK_PROCESS_STATS_DIR``; off glibc the ``malloc_*`` fields are absent.
@@ -16,9 +18,9 @@ without ``SOAK_PROCESS_STATS_DIR``; off glibc the ``malloc_*`` fields are absent
 from __future__ import annotations
 
 import ctypes
-import gc
 import json
 import os
+import sys
 import threading
 import time
 
@@ -60,7 +62,7 @@ def _proc() -> dict[str, int]:
 
 
 def _write() -> None:
-    stats = {**_proc(), **_malloc(), "gc_objects": len(gc.get_objects()), "at": time.time()}
+    stats = {**_proc(), **_malloc(), "py_blocks": sys.getallocatedblocks(), "at": time.time()}
     path = os.path.join(DIR, f"{stats['name']}-{os.getpid()}.json".replace("/", "_"))
     with open(path + ".tmp", "w") as out:
         json.dump(stats, out)
