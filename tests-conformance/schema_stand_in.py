@@ -114,9 +114,14 @@ class CallLog:
     calls: list[Call] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     keep: bool = True
+    # calls on 8-bit KV pages, by name and the dtype / antiquant mode of the pages
+    quantized: Counter = field(default_factory=Counter)
 
     def record(self, call: Call) -> None:
         self.counts[call.name] += 1
+        kind = _quantized_kind(call.arguments)
+        if kind is not None:
+            self.quantized[f"{call.name} ({kind})"] += 1
         if self.keep:
             self.calls.append(call)
 
@@ -127,6 +132,18 @@ class CallLog:
 
     def of(self, name: str) -> list[Call]:
         return [call for call in self.calls if call.name == name]
+
+
+def _quantized_kind(arguments: dict[str, Any]) -> str | None:
+    """``int8`` (a KV write) or ``int8, key_antiquant_mode=M`` (an attention) for calls
+    on 8-bit pages, else None."""
+    pages = arguments.get("key_cache", arguments.get("key"))
+    if not isinstance(pages, torch.Tensor) or pages.element_size() != 1:
+        return None
+    mode = arguments.get("key_antiquant_mode")
+    return str(pages.dtype).removeprefix("torch.") + (
+        "" if mode is None else f", key_antiquant_mode={mode}"
+    )
 
 
 class Launcher:

@@ -185,6 +185,9 @@ class AscendProvider(AttentionProvider):
     returns_lse: ClassVar[bool] = True  # softmax_lse_flag / softmax_max + softmax_sum
     contiguous_inputs: ClassVar[bool] = True
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ASCEND_KV_CACHE_DTYPES
+    # The quantizing write is device work a task update cannot re-issue: graphs issue it
+    # before the attention's task group (module doc).
+    quantized_write_outside_task: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}

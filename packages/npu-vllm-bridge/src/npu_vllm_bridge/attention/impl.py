@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
+from npu_attention.run import check_scales
 from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
 from npu_vllm_bridge.attention.capabilities import refuse_layer_options
 from npu_vllm_bridge.attention.context_parallel import dcp_attention
@@ -69,13 +70,11 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
         self.kv_cache_split = current_settings().kv_cache_split
         if self.dcp_world_size > 1:  # set by vLLM's AttentionImplBase.__new__
             refuse_under_dcp(self.dcp_world_size, sliding_window, kv_sharing_target_layer_name)
-        if kv_cache_dtype != "auto" and (
-            self.dcp_world_size > 1 or self.kv_cache_split != "packed"
-        ):
+        if kv_cache_dtype != "auto" and self.dcp_world_size > 1:
             raise ValueError(
-                f"{PREFIX} keeps an 8-bit KV cache (kv_cache_dtype={kv_cache_dtype!r}) in "
-                "packed pages without decode context parallelism; got kv_cache_split="
-                f"{self.kv_cache_split!r}, decode_context_parallel_size={self.dcp_world_size}"
+                f"{PREFIX} keeps an 8-bit KV cache (kv_cache_dtype={kv_cache_dtype!r}) "
+                "without decode context parallelism; got decode_context_parallel_size="
+                f"{self.dcp_world_size}"
             )
 
     def forward(
@@ -109,7 +108,7 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
             key_cache, value_cache = split_kv_cache(kv_cache, self.head_size, self.kv_cache_split)
         else:
             key_cache, value_cache, k_scale, v_scale = quantized_kv_cache(
-                kv_cache, self.head_size, self.kv_cache_dtype
+                kv_cache, self.head_size, self.kv_cache_dtype, self.kv_cache_split
             )
             if k_scale is None:  # per tensor: the layer's
                 k_scale, v_scale = layer._k_scale, layer._v_scale
@@ -126,11 +125,37 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
             return output
         if self.kv_sharing_target_layer_name is not None:
             key = value = None
+        if scales and key is not None and _writes_before_the_task(attn_metadata.plan):
+            write_quantized_kv(key, value, key_cache, value_cache, attn_metadata.plan, **scales)
+            key = value = None
         run_attention(
             query, key, value, key_cache, value_cache, output, attn_metadata,
             layer_name=layer.layer_name, **scales,
         )  # fmt: skip
         return output
+
+
+def _writes_before_the_task(plan: Any) -> bool:
+    """Whether a quantized write goes before the attention task, as a graph's own ops: a
+    provider whose write quantizes with device work a task update cannot re-issue
+    (``quantized_write_outside_task``), on a step whose attention reads the pages (a
+    prefill without context attends over its own rows: the write stays in the task)."""
+    return getattr(plan.provider, "quantized_write_outside_task", False) and plan.has_context
+
+
+def write_quantized_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: Any,
+    *,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """The step's K/V into the 8-bit pages (scales checked as ``npu_attention.run`` does)."""
+    scales = check_scales(k_scale, v_scale, key_cache, plan)
+    plan.provider.write_kv(key, value, key_cache, value_cache, plan, scales=scales)
 
 
 def refuse_under_dcp(

@@ -12,10 +12,13 @@ backend reads and writes inside the pages, so it decides what a page holds:
   pages (vLLM zeroes blocks by id only for Mamba or mixed-precision caches, which
   the bridge refuses where it uses planes).
 
-8-bit caches (``--kv-cache-dtype``) are packed as vLLM packs them: vLLM allocates
-``uint8`` (fp8 kinds) or ``int8`` pages; a per-token-head kind adds a float32 scale
-after each head's K row and after its V row (``[K | k_scale | V | v_scale]`` per head
-and token, vLLM's Triton backend's page), which ``quantized_kv_cache`` views.
+8-bit caches (``--kv-cache-dtype``): vLLM allocates ``uint8`` (fp8 kinds) or ``int8``
+pages; a per-token-head kind adds a float32 scale per head and token on each side.
+``packed`` holds them as vLLM's Triton backend does (``[K | k_scale | V | v_scale]`` per
+head and token); ``planes`` holds the K plane, the V plane, then the K scales and the V
+scales, each scale plane head-major ``(num_blocks, num_kv_heads, block_size)`` (what
+Ascend's fused attention reads as per-token-head antiquant scales). Both hold the same
+bytes, so vLLM's sizing holds for either; ``quantized_kv_cache`` views them.
 """
 
 from __future__ import annotations
@@ -69,22 +72,23 @@ def scale_bytes_per_side(kv_cache_dtype: str) -> int:
 
 
 def quantized_kv_cache(
-    kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str
+    kv_cache: torch.Tensor, head_size: int, kv_cache_dtype: str, split: str = "packed"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Views of an 8-bit packed cache: ``(key_cache, value_cache, k_scales, v_scales)``.
+    """Views of an 8-bit cache: ``(key_cache, value_cache, k_scales, v_scales)``.
 
     Args:
         kv_cache: vLLM's ``[num_blocks, num_kv_heads, block_size, C]`` of ``uint8`` or
             ``int8``, ``C = 2 * head_size`` (per-tensor kinds) or ``2 * (head_size + 4)``
-            (per-token-head kinds), any physical layout.
+            (per-token-head kinds), any physical layout (``planes``: one dense region).
         kv_cache_dtype: one of ``npu_attention.KV_CACHE_DTYPES`` other than ``auto``.
+        split: ``"packed"`` or ``"planes"`` (see the module doc).
 
     Returns:
         ``key_cache`` and ``value_cache`` ``[num_blocks, block_size, num_kv_heads,
         head_size]`` of the kind's page dtype (``float8_e4m3fn`` or ``int8``); for a
         per-token-head kind the float32 scales ``[num_blocks, block_size,
-        num_kv_heads]`` of each side, else ``None`` (the layer's ``_k_scale`` /
-        ``_v_scale`` serve).
+        num_kv_heads]`` of each side (``planes``: head-major strides), else ``None`` (the
+        layer's ``_k_scale`` / ``_v_scale`` serve).
     """
     pad = scale_bytes_per_side(kv_cache_dtype)
     width = head_size + pad
@@ -94,6 +98,10 @@ def quantized_kv_cache(
             f"for kv_cache_dtype={kv_cache_dtype!r}, got {kv_cache.dtype} {tuple(kv_cache.shape)}"
         )
     dtype = npu_attention.kv_quant.cache_dtype(kv_cache_dtype, torch.float16)
+    if split == "planes":
+        return _quantized_planes(kv_cache, head_size, dtype, pad > 0)
+    if split != "packed":
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     pages = kv_cache.view(dtype).transpose(1, 2)
     key_cache, value_cache = pages[..., :head_size], pages[..., width : width + head_size]
     if not pad:
@@ -126,6 +134,40 @@ def _scale_view(kv_cache: torch.Tensor, offset: int) -> torch.Tensor:
         (strides[0] // SCALE_BYTES, strides[2] // SCALE_BYTES, strides[1] // SCALE_BYTES),
         (kv_cache.storage_offset() + offset) // SCALE_BYTES,
     )
+
+
+def _quantized_planes(
+    kv_cache: torch.Tensor, head_size: int, dtype: torch.dtype, with_scales: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """K and V planes of ``dtype`` ``[num_blocks, block_size, num_kv_heads, head_size]``,
+    then (``with_scales``) the float32 scale planes, head-major."""
+    if not _is_dense(kv_cache):
+        raise ValueError(
+            "the 'planes' KV split needs each layer's cache to be one dense region, got "
+            f"strides {kv_cache.stride()} for shape {tuple(kv_cache.shape)}"
+        )
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    plane = num_blocks * block_size * num_kv_heads * head_size
+    start = kv_cache.storage_offset()
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    strides = (block_size * num_kv_heads * head_size, num_kv_heads * head_size, head_size, 1)
+    key_cache = kv_cache.as_strided(shape, strides, start).view(dtype)
+    value_cache = kv_cache.as_strided(shape, strides, start + plane).view(dtype)
+    if not with_scales:
+        return key_cache, value_cache, None, None
+    first = start + 2 * plane
+    if first % SCALE_BYTES:
+        raise ValueError(
+            f"per-token-head scale planes need a 4-byte aligned start, got byte {first}"
+        )
+    words = torch.empty(0, dtype=torch.float32, device=kv_cache.device)
+    words.set_(kv_cache.untyped_storage())
+    count = num_blocks * num_kv_heads * block_size
+    scale_shape = (num_blocks, block_size, num_kv_heads)
+    scale_strides = (num_kv_heads * block_size, 1, block_size)
+    k_scales = words.as_strided(scale_shape, scale_strides, first // SCALE_BYTES)
+    v_scales = words.as_strided(scale_shape, scale_strides, first // SCALE_BYTES + count)
+    return key_cache, value_cache, k_scales, v_scales
 
 
 def _planes(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
