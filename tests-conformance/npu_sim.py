@@ -62,9 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (8-bit KV caches)"
     )
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (8-bit KV caches)"
-    )
-    parser.add_argument(
         "--engine-json", default="{}", help="more LLM(...) keyword arguments, as JSON"
     )
     parser.add_argument(
@@ -143,7 +140,6 @@ def engine_arguments(args: argparse.Namespace) -> dict:
         block_size=BLOCK_SIZE,
         kv_cache_memory_bytes=args.kv_cache_bytes,
         enable_prefix_caching=not args.no_prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         skip_tokenizer_init=True,
         seed=0,
