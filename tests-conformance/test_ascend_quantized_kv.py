@@ -493,3 +493,36 @@ def test_documented_antiquant_constraints_are_checked(mistake, stand_in, host_as
     query, key, value = arguments.pop("query"), arguments.pop("key"), arguments.pop("value")
     with pytest.raises(SchemaViolation, match=message):
         stand_in.npu_fused_infer_attention_score.out(query, key, value, **arguments)
+
+
+def test_a_multi_token_step_over_int8_pages_cannot_be_a_task(stand_in, host_ascend) -> None:
+    """Verify steps (1 + k tokens) read a dequantized copy of their pages: device work
+    that a task update would run eagerly, refused by the simulation (eager steps only)."""
+    npu = stand_in.npu
+    case = next(c for c in CASES if c.name == "spec_decoding")
+    batch = build_batch(case)
+    cache = quantize_cache(batch)
+    step = plan(
+        batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, batch.slot_mapping,
+        case.num_decodes, quantized_spec(case), provider=host_ascend,
+    )  # fmt: skip
+    out = torch.zeros_like(batch.query)
+
+    def attend() -> None:
+        run(
+            batch.query, None, None, cache.key_cache, cache.value_cache, step, out,
+            k_scale=cache.k_scale, v_scale=cache.v_scale,
+        )  # fmt: skip
+
+    graph, event = npu.NPUGraph(), npu.ExternalEvent()
+    with npu.graph(graph, stream=npu.Stream()):
+        stream = npu.current_stream()
+        event.wait(stream)
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        attend()
+        handle = npu.graph_task_group_end(stream)
+    update_stream = npu.Stream()
+    with npu.stream(update_stream), pytest.raises(SchemaViolation, match="inside a task update"):
+        npu.graph_task_update_begin(update_stream, handle)
+        attend()
