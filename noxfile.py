@@ -49,8 +49,9 @@ VLLM_BUILD_REQUIREMENTS = (
 # What the 0.33 lane runs of tests-integration/ (every bridge test and the conformance
 # checks run; the simulated-NPU engine runs are vLLM 0.32's): the OpenAI server at vLLM's
 # defaults, each documented configuration at vLLM's defaults on both model runners (MLA
-# through 0.33's do_kv_cache_update, EAGLE and MTP through V2's changed kernels), and what
-# host mode refuses there. CI's 90 minutes hold no more; the rest ran on this lane by hand
+# through 0.33's do_kv_cache_update, EAGLE and MTP through V2's changed kernels and V1's
+# kernels in PyTorch, the DP=2 MoE servers through the MoE experts in PyTorch, plain and
+# with DBO), and V1 EAGLE eagerly against the run without speculation. CI's 90 minutes hold no more; the rest ran on this lane by hand
 # (README, "Development"), and runs on the 0.32 lane in CI.
 VLLM033_INTEGRATION = (
     "test_serving.py",
