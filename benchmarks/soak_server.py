@@ -18,6 +18,9 @@ requests have passed, each drawn at random (``--seed``) from:
 * ``drop``: a streamed chat completion closed by the client after two chunks;
 * ``long``: a completion whose prompt (random token ids) and answer (64 to 256 tokens)
   reach to within 16 tokens of ``max_model_len``;
+* ``grow``: a completion of a prompt of a half to two thirds of ``max_model_len``
+  (random token ids) and 256 to 512 tokens of answer: the cache admits two of them, or
+  one beside the chats, and runs out as they grow;
 * ``chat``: a chat completion, not streamed;
 * ``bad``: a prompt longer than ``max_model_len``, a negative ``max_tokens``, malformed
   JSON, an unknown model or a non-numeric temperature: each must get a 4xx answer.
@@ -65,7 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests-integration"))
 
-KINDS = {"stream": 4, "drop": 2, "long": 3, "chat": 1, "bad": 2}  # relative weights
+KINDS = {"stream": 4, "drop": 2, "long": 2, "grow": 2, "chat": 1, "bad": 2}  # relative weights
 PROBES = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -89,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-tokens", type=int, default=2560, help="KV cache size in tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks/results/soak_server.json")
+    parser.add_argument("--report", type=Path, help="print this earlier result instead of a run")
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.clients < 1 or args.max_requests < 1:
         parser.error("--duration, --clients and --max-requests must be positive")
@@ -202,6 +206,13 @@ def one_request(
         max_tokens = rng.randint(64, 256)  # decodes that take new pages: preemption
         length = max_model_len - max_tokens - rng.randint(1, 16)
         prompt = [rng.choice(VOCAB) for _ in range(length)]
+        body = {"model": client.model, "prompt": prompt, "max_tokens": max_tokens}
+        status, _ = client.post("/v1/completions", {**body, "temperature": 0.0, "ignore_eos": True})
+        return status, status == 200
+    if kind == "grow":
+        prompt_len = rng.randint(max_model_len // 2, max_model_len * 2 // 3)
+        prompt = [rng.choice(VOCAB) for _ in range(prompt_len)]
+        max_tokens = rng.randint(256, 512)  # two of them outgrow a cache that took both
         body = {"model": client.model, "prompt": prompt, "max_tokens": max_tokens}
         status, _ = client.post("/v1/completions", {**body, "temperature": 0.0, "ignore_eos": True})
         return status, status == 200
@@ -544,12 +555,39 @@ def report(result: dict) -> None:
     print(f"probe rounds {len(rounds)}, all equal to the first: {result['probes_unchanged']}")
 
 
+def timeline(result: dict, every: float = 120) -> None:
+    """One sample each ``every`` seconds: the tree's RSS, the worker's anonymous RSS and
+    glibc heap (in use / free but kept), Python blocks, KV use, queue and preemptions."""
+    mib = 2**20
+    print(
+        f"{'t (s)':>6} {'RSS':>6} {'worker':>7} {'heap used':>9} {'heap free':>9} "
+        f"{'py blocks':>10} {'KV use':>6} {'run':>4} {'wait':>4} {'preempt':>7}  (MiB)"
+    )
+    next_t = 0.0
+    good = [s for s in result["samples"] if "rss" in s]
+    for s in good:
+        if s["t"] < next_t and s is not good[-1]:
+            continue
+        next_t = s["t"] + every
+        w = next((p for n, p in s.get("processes", {}).items() if "Worker" in n), {})
+        print(
+            f"{s['t']:6.0f} {s['rss'] / mib:6.0f} {w.get('rss_anon', 0) / mib:7.0f} "
+            f"{w.get('malloc_used', 0) / mib:9.0f} {w.get('malloc_free', 0) / mib:9.0f} "
+            f"{w.get('py_blocks', 0):10d} {s['kv_usage']:6.2f} {s['running']:4.0f} "
+            f"{s['waiting']:4.0f} {s['preemptions']:7.0f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    args.output.write_text(json.dumps(result, indent=1))
+    if args.report:  # print an earlier run's result again
+        result = json.loads(args.report.read_text())
+    else:
+        result = run(args)
+        args.output.write_text(json.dumps(result, indent=1))
     report(result)
-    print(f"wrote {args.output}")
+    timeline(result)
+    print(f"wrote {args.output}" if not args.report else f"read {args.report}")
     passed = (
         result["server_errors_5xx"] == 0
         and result["not_as_expected"] == 0
