@@ -18,8 +18,9 @@ products with asynchronous warpgroup MMAs (``wgmma``) from shared memory:
   sums stay within the warpgroup, with no exchange across warpgroups. It hands ``P``
   and the rescale factors to the second warpgroup through shared memory (one
   handover a tile, on a pair of barriers) and accumulates output columns
-  ``[0, 256)`` with ``P`` from registers, that tile's ``P @ V`` issued behind the
-  next tile's scores so that it runs during the next softmax;
+  ``[0, 256)`` with ``P`` from registers, that tile's ``P @ V`` issued before the
+  next tile's scores, so that the stage goes back to the loader as soon as both
+  halves are done and the next fetch has a whole tile's work to arrive in;
 - the second warpgroup accumulates columns ``[256, 512)`` with ``P`` from shared
   memory (128 float32 registers a thread in each);
 - a request's keys are split over programs to fill the multiprocessors, and the merge
@@ -375,22 +376,23 @@ if HAVE_GLUON:
                 first = lo + j * TILE
                 phase = (j // RING) & 1
                 kv = kv_smem.index(stage)
+                # The previous tile's left half of P @ V before this tile's scores: its
+                # stage goes back to the loader as soon as it is done (the second
+                # warpgroup's half was issued at the handover).
+                o_tok = warpgroup_mma(p_op, kv_smem.index(prev).slice(0, HALF, dim=1), o,
+                                      is_async=True)  # fmt: skip
                 if first + TILE > hi:
                     _wait_tile(ready, stage * NBARS, phase, NBARS)
                     clear_keys_past(kv, first, hi)
                 s_tok = _scores(q_smem, qr_smem, kv, pe_smem.index(stage), zero_s, ready,
                                 stage * NBARS, phase)  # fmt: skip
-                # The previous tile's left half of P @ V behind this tile's scores: it
-                # runs while this warpgroup's softmax does.
-                o_tok = warpgroup_mma(p_op, kv_smem.index(prev).slice(0, HALF, dim=1), o,
-                                      is_async=True)  # fmt: skip
-                s = warpgroup_mma_wait(1, deps=(s_tok, kv, pe_smem.index(stage)))[0]
+                o = warpgroup_mma_wait(NBARS, deps=(o_tok, p_op, kv_smem.index(prev)))[0]
+                mbarrier.arrive(empty.index(prev), count=1)
+                s = warpgroup_mma_wait(0, deps=(s_tok, kv, pe_smem.index(stage)))[0]
                 p, alpha, m_i, l_i = _tile_softmax(s, m_i, l_i, first, row_end, j >= num_full,
                                                    qk_scale)  # fmt: skip
                 p16 = p.to(kv_smem.dtype)
                 _hand_over(p16, alpha, p_smem, row_smem, p_ready, p_free, j)
-                o = warpgroup_mma_wait(0, deps=(o_tok, p_op, kv_smem.index(prev)))[0]
-                mbarrier.arrive(empty.index(prev), count=1)
                 o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 p_op = gl.convert_layout(p16, p_layout)
             last = (num_tiles - 1) % RING
