@@ -92,6 +92,7 @@ class Simulation:
             "torch_npu_calls": dict(
                 sorted((k, v) for k, v in counts.items() if not k.startswith("torch.npu."))
             ),
+            "quantized_kv_calls": dict(sorted(self.module.log.quantized.items())),
             "torch_npu_runtime_calls": dict(
                 sorted((k, v) for k, v in counts.items() if k.startswith("torch.npu."))
             ),
