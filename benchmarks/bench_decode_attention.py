@@ -33,7 +33,7 @@ without the arithmetic conversion) in the same rounds.
 
     python benchmarks/bench_decode_attention.py [--tune] [--quick] [--hopper]
     python benchmarks/bench_decode_attention.py --kv-cache-dtype int8_per_token_head \
-        [--kv-variants default,gluon_s2,portable]
+        [--kv-variants default,gluon_1cta,portable]
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class DecodeProblem:
 _WIDE = {"block_n": 128, "num_warps": 4, "num_stages": 2, "pdl": 1, "prefetch_tiles": 1}
 _WIDE_ONE_WAVE = {"block_n": 256, "num_warps": 8, "num_stages": 2, "pdl": 1, "prefetch_tiles": 1}
 _DEEP = {"block_n": 128, "num_warps": 4, "num_stages": 4, "pdl": 1, "prefetch_tiles": 1}
+KV_CACHE_KINDS = ("fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head")
 KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "wide": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE},
@@ -137,16 +138,24 @@ KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
                    "min_unsplit_fill_8bit": 8.0},
     "wide_split4": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE,
                     "min_unsplit_fill_8bit": 8.0, "target_waves_8bit": 4},
-    # The Gluon decode over 8-bit pages (the default: 128-key tiles, 4 stages, 4 warps,
-    # decodes of one wave) and the alternatives; the portable kernel converting fp8 by
-    # arithmetic and int8 by conversion instructions (the default), or either for both.
-    "gluon_s2": {"hopper_decode_launch_long_8bit": {"block_n": 128, "num_warps": 4,
-                                                    "num_stages": 2}},
-    "gluon_s6": {"hopper_decode_launch_long_8bit": {"block_n": 128, "num_warps": 4,
-                                                    "num_stages": 6}},
-    "gluon_w8": {"hopper_decode_launch_long_8bit": {"block_n": 128, "num_warps": 8,
-                                                    "num_stages": 4}},
-    "gluon_multi_wave": {"hopper_decode_multi_wave_8bit": True},
+    # The Gluon decode over 8-bit pages (the default: 64-key tiles, 2 stages, 4 warps,
+    # 80 registers a thread, splits for 3 programs a multiprocessor; fp8 decodes of more
+    # programs than multiprocessors with 128-key tiles and 128 registers) and the
+    # alternatives measured; the portable kernel converting fp8 by arithmetic and int8 by
+    # conversion instructions (the default), or either for both.
+    "gluon_1cta": {"hopper_decode_programs_per_sm_8bit": 1, "hopper_decode_launch_8bit":
+                   {"block_n": 128, "num_warps": 4, "num_stages": 4}},
+    "gluon_1cta_w8": {"hopper_decode_programs_per_sm_8bit": 1, "hopper_decode_launch_8bit":
+                      {"block_n": 128, "num_warps": 8, "num_stages": 4}},
+    "gluon_2cta": {"hopper_decode_programs_per_sm_8bit": 2, "hopper_decode_launch_8bit":
+                   {"block_n": 128, "num_warps": 4, "num_stages": 2, "maxnreg": 128}},
+    "gluon_2cta_n64": {"hopper_decode_programs_per_sm_8bit": 2, "hopper_decode_launch_8bit":
+                       {"block_n": 64, "num_warps": 4, "num_stages": 4, "maxnreg": 128}},
+    "gluon_mw_all": {"hopper_decode_multi_wave_8bit": KV_CACHE_KINDS},
+    "gluon_mw_none": {"hopper_decode_multi_wave_8bit": ()},
+    "gluon_mw_3cta": {"hopper_decode_multi_wave_8bit": KV_CACHE_KINDS,
+                      "hopper_decode_launch_multi_wave_8bit":
+                      {"block_n": 64, "num_warps": 4, "num_stages": 2, "maxnreg": 80}},
     "portable": {"hopper_decode_8bit": False},
     "portable_cvt": {"hopper_decode_8bit": False, "fast_dequant_pages": ()},
     "portable_fast": {"hopper_decode_8bit": False,

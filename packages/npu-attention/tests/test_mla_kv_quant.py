@@ -153,9 +153,13 @@ def test_bad_scales_are_refused_before_anything_is_written(kind, k_scale, error,
 
 
 def test_a_provider_without_the_kind_is_refused_by_plan(monkeypatch):
-    """The Triton MLA provider keeps an ``auto`` latent cache: ``plan`` names what it takes."""
+    """A provider that keeps an ``auto`` latent cache (the Triton MLA provider made to):
+    ``plan`` names what it takes."""
     pytest.importorskip("triton")
+    from npu_attention.providers.triton_mla import TritonMLAProvider
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(TritonMLAProvider, "kv_cache_dtypes", ("auto",))
     spec = _spec("fp8")
     case = make_mla_case(spec, [1], [5], 1)
     with pytest.raises(

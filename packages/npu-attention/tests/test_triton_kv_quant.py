@@ -23,9 +23,9 @@ from test_triton_provider import record_launches
 from triton_interpreter import DEVICE, HAS_CUDA
 
 from npu_attention import AttentionSpec, BatchState, plan, run
-from npu_attention.registry import get_provider
 from npu_attention.kv_quant import ScaleKind
 from npu_attention.providers import triton as triton_provider
+from npu_attention.registry import get_provider
 
 pytest.importorskip("triton")
 
@@ -176,10 +176,10 @@ def test_gpu_hopper_decode_over_8bit_pages(
 ) -> None:
     """The Gluon decode reads the 8-bit pages: decodes ending around page edges, a
     speculative decode, one long request split over programs, more programs than
-    multiprocessors (taken when ``hopper_decode_multi_wave_8bit`` is on); bfloat16 and
+    multiprocessors (taken for the kinds ``hopper_decode_multi_wave_8bit`` names); bfloat16 and
     float16."""
     provider = get_provider("triton", torch.device("cuda"))
-    monkeypatch.setattr(provider, "hopper_decode_multi_wave_8bit", True)
+    monkeypatch.setattr(provider, "hopper_decode_multi_wave_8bit", (kind,))
     kernels = triton_provider._hopper_decode_kernels(torch.device("cuda"))
     assert kernels is not None, "this GPU and Triton should take the Hopper kernel"
     launches = record_launches(

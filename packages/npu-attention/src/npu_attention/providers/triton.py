@@ -85,10 +85,12 @@ class TritonProvider(AttentionProvider):
         decode_launch_8bit, decode_launch_one_wave_8bit, min_unsplit_fill_8bit,
             target_waves_8bit: what decodes over 8-bit pages use instead (``None``: the
             16-bit setting).
-        hopper_decode_8bit, hopper_decode_launch_long_8bit, hopper_decode_multi_wave_8bit:
-            the Gluon decode over 8-bit pages on or off, its launch for programs of at
-            least ``hopper_decode_long_keys`` keys (``None``: the 16-bit one), and whether
-            it takes decodes of more programs than multiprocessors.
+        hopper_decode_8bit, hopper_decode_launch_8bit, hopper_decode_programs_per_sm_8bit,
+            hopper_decode_multi_wave_8bit, hopper_decode_launch_multi_wave_8bit: the Gluon
+            decode over 8-bit pages on or off; its launch (``maxnreg`` caps a thread's
+            registers, so that several programs share a multiprocessor) and the programs
+            per multiprocessor its splits aim for; the kinds whose decodes of more
+            programs than multiprocessors it takes too, and their launch.
         fast_dequant_pages: the page dtypes the portable kernel converts by integer and
             float arithmetic (``dequant.py``) rather than conversion instructions.
     """
@@ -174,15 +176,28 @@ class TritonProvider(AttentionProvider):
         self.min_unsplit_fill_8bit: float | None = 8.0
         self.target_waves_8bit: int | None = None
         # The Gluon decode over 8-bit pages: half the bytes a tile, converted in registers.
-        # Decodes of more programs than multiprocessors keep the portable kernel (H100,
-        # 64 x 4096: 231-240 against 248-323 us).
+        # Three programs a multiprocessor (80 registers a thread, 64-key tiles, 2 stages):
+        # H100, 16 x 16384 block 128 / 16, fp8 214 / 211 us, int8 per token and head
+        # 224 / 222 against one program of 128-key tiles and 4 stages, 240 / 252 and
+        # 266 / 272 (16-bit 365 / 367). Decodes of more programs than multiprocessors:
+        # two programs a multiprocessor with fp8 (64 x 4096: 213 / 215 against the
+        # portable kernel's 232 / 229); per-token-head kinds keep the portable kernel
+        # (225 / 228 against 237 / 232). Other settings tried: benchmarks/README.md.
         self.hopper_decode_8bit = True
-        self.hopper_decode_launch_long_8bit: dict[str, int] | None = {
+        self.hopper_decode_launch_8bit: dict[str, int] = {
+            "block_n": 64,
+            "num_warps": 4,
+            "num_stages": 2,
+            "maxnreg": 80,
+        }
+        self.hopper_decode_programs_per_sm_8bit = 3
+        self.hopper_decode_multi_wave_8bit: tuple[str, ...] = ("fp8", "fp8_e4m3")
+        self.hopper_decode_launch_multi_wave_8bit: dict[str, int] = {
             "block_n": 128,
             "num_warps": 4,
-            "num_stages": 4,
+            "num_stages": 2,
+            "maxnreg": 128,
         }
-        self.hopper_decode_multi_wave_8bit = False
         # H100, 64 x 4096 portable: fp8 233 / 230 us against 265 / 272 with conversion
         # instructions; int8 238 / 239 against 225 / 228.
         self.fast_dequant_pages: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
@@ -227,7 +242,7 @@ class TritonProvider(AttentionProvider):
             return False
         if spec.logits_soft_cap is not None:
             return False
-        multi_wave = eight_bit and self.hopper_decode_multi_wave_8bit
+        multi_wave = eight_bit and spec.kv_cache_dtype in self.hopper_decode_multi_wave_8bit
         if not multi_wave and num_reqs * spec.num_kv_heads > _multiprocessors(device):
             return False
         kernels = _hopper_decode_kernels(device)
@@ -387,8 +402,10 @@ class TritonProvider(AttentionProvider):
         if not kernels.hopper_decode_supported(query, key_cache, value_cache, out, rows, k_scale):
             return False
         launch = self.hopper_decode_launch_long if step.hopper_long else self.hopper_decode_launch
-        if step.hopper_long and k_scale is not None and self.hopper_decode_launch_long_8bit:
-            launch = self.hopper_decode_launch_long_8bit
+        if k_scale is not None:
+            launch = self.hopper_decode_launch_8bit
+            if plan.num_reqs * spec.num_kv_heads > _multiprocessors(query.device):
+                launch = self.hopper_decode_launch_multi_wave_8bit
         kernels.hopper_decode(
             query,
             key_cache,
@@ -406,6 +423,7 @@ class TritonProvider(AttentionProvider):
             num_warps=launch["num_warps"],
             k_scale=k_scale,
             v_scale=v_scale,
+            maxnreg=_maxnreg(launch.get("maxnreg"), spec.head_size),
         )
         return True
 
@@ -465,7 +483,8 @@ class TritonProvider(AttentionProvider):
         if programs >= min_fill * multiprocessors:
             return 1
         if one_wave:
-            by_occupancy = multiprocessors // programs
+            per_sm = self.hopper_decode_programs_per_sm_8bit if eight_bit else 1
+            by_occupancy = per_sm * multiprocessors // programs
         else:
             by_occupancy = -(-waves * multiprocessors // programs)
         by_length = -(-max_seq_len // self.min_tokens_per_split)
@@ -553,6 +572,14 @@ def _hopper_prefill_kernels(device: torch.device):
 def _hopper_decode_kernels(device: torch.device):
     """The ``hopper_decode`` module where ``device`` can run it, else ``None``."""
     return gluon_kernels(device, "hopper_decode")
+
+
+def _maxnreg(maxnreg: int | None, head_size: int) -> int | None:
+    """A launch's register cap at ``head_size``: at least 128 above head size 128 (80
+    registers spill a program's 256-wide tiles)."""
+    if maxnreg is None or head_size <= 128:
+        return maxnreg
+    return max(maxnreg, 128)
 
 
 def _multiprocessors(device: torch.device) -> int:

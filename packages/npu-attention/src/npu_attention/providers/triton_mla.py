@@ -20,6 +20,12 @@ cached context go to the Gluon prefill of ``hopper_prefill.py`` over the request
 own rows (gathered from the cache by the tokens' slots); everything else (a cached
 prefix, other widths, other GPUs, the interpreter) to the portable kernel of
 ``paged_attention.py`` over the decompressed pages.
+
+An fp8 latent cache (``MLASpec.kv_cache_dtype`` ``fp8`` / ``fp8_e4m3``, one float32
+scale for the cache, vLLM's MLA ``_k_scale``): the write kernel stores e4m3 codes of
+``x / scale``, the portable decode loads the codes and dequantizes them in registers
+(the Gluon decodes keep to ``auto``), and prefills dequantize the gathered latents to
+the model dtype before the up-projection, as vLLM's MLA prefill does.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from npu_attention import kv_quant
 from npu_attention.mla.cache import LatentCache
 from npu_attention.mla.run import KVUpProjection, up_projected_heads
-from npu_attention.mla.spec import MLASpec
+from npu_attention.mla.spec import MLA_KV_CACHE_DTYPES, MLASpec
 from npu_attention.plan import AttentionPlan
 from npu_attention.providers.mla_base import require_cache
 from npu_attention.providers.reference import _to
@@ -133,7 +140,7 @@ class TritonMLAProvider(ReferenceMLAProvider):
     name: ClassVar[str] = "triton"
     device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     returns_lse: ClassVar[bool] = True
-    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)  # latent rows in the model dtype
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = MLA_KV_CACHE_DTYPES
 
     def __init__(self) -> None:
         # The settings taken after measuring on an H100; benchmarks/README.md lists the
@@ -203,6 +210,8 @@ class TritonMLAProvider(ReferenceMLAProvider):
         plan: AttentionPlan,
         kv_up_proj: KVUpProjection,
         out: torch.Tensor,
+        *,
+        scale: torch.Tensor | None = None,
     ) -> None:
         from npu_attention.providers.triton_kernels import paged_attention
 
@@ -210,10 +219,10 @@ class TritonMLAProvider(ReferenceMLAProvider):
         rows = plan.num_prefill_tokens
         query, out = query[:rows], out[:rows]
         if data.token_blocks is not None and self._prefill_hopper(
-            query, cache, plan, kv_up_proj, out
+            query, cache, plan, kv_up_proj, out, scale
         ):
             return
-        keys, values = decompressed_pages(cache, data.pages, spec, kv_up_proj)
+        keys, values = decompressed_pages(cache, data.pages, spec, kv_up_proj, scale)
         paged_attention(
             query,
             keys,
@@ -234,6 +243,7 @@ class TritonMLAProvider(ReferenceMLAProvider):
         plan: AttentionPlan,
         kv_up_proj: KVUpProjection,
         out: torch.Tensor,
+        scale: torch.Tensor | None = None,
     ) -> bool:
         """The prefill through the Gluon kernel over the tokens' own rows, when the
         device and the widths let it; ``False``: nothing ran."""
@@ -243,6 +253,9 @@ class TritonMLAProvider(ReferenceMLAProvider):
         spec, data = plan.spec, plan.provider_data.prefill
         kv_c = cache.kv_c[data.token_blocks, data.token_offsets]  # [rows, L]
         k_pe = cache.k_pe[data.token_blocks, data.token_offsets]  # [rows, R]
+        if scale is not None:  # fp8 rows, dequantized as decompressed_pages does
+            kv_c = kv_quant.dequantize(kv_c, scale).to(spec.dtype)
+            k_pe = kv_quant.dequantize(k_pe, scale).to(spec.dtype)
         k_nope, values = up_projected_heads(kv_up_proj, kv_c, spec)
         if k_nope.dtype != spec.dtype:
             raise TypeError(f"kv_up_proj must return {spec.dtype}, got {k_nope.dtype}")
@@ -256,12 +269,18 @@ class TritonMLAProvider(ReferenceMLAProvider):
         return True
 
     def write_cache(
-        self, kv_c: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: AttentionPlan
+        self,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: LatentCache,
+        plan: AttentionPlan,
+        *,
+        scale: torch.Tensor | None = None,
     ) -> None:
         from npu_attention.providers.triton_kernels.mla_cache_write import write_latent_cache
 
         write_latent_cache(
-            kv_c, k_pe, cache.kv_c, cache.k_pe, plan.slot_mapping, plan.num_actual_tokens
+            kv_c, k_pe, cache.kv_c, cache.k_pe, plan.slot_mapping, plan.num_actual_tokens, scale
         )
 
     def decode(
@@ -273,11 +292,12 @@ class TritonMLAProvider(ReferenceMLAProvider):
         out: torch.Tensor,
         *,
         lse: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> None:
         from npu_attention.providers.triton_kernels.mla_decode import mla_decode_attention
 
         spec = plan.spec
-        if self._decode_hopper(q_latent, q_rope, cache, plan, out, lse):
+        if scale is None and self._decode_hopper(q_latent, q_rope, cache, plan, out, lse):
             return
         mla_decode_attention(
             q_latent,
@@ -294,12 +314,15 @@ class TritonMLAProvider(ReferenceMLAProvider):
             scale=spec.softmax_scale,
             config=plan.provider_data.decode,
             lse=lse,
+            k_scale=scale,
         )
 
     def hopper_launch_for(self, plan: AttentionPlan) -> HopperMLALaunch | None:
         """The Gluon decode's launch for the plan's decodes, or ``None`` where it does
         not take them (the tensors are checked again at ``decode``)."""
         spec = plan.spec
+        if spec.kv_cache_dtype != "auto":  # fp8 latents: the portable kernel
+            return None
         kernels = gluon_kernels(plan.device, "hopper_mla_decode") if self.hopper_decode else None
         tokens = 1 + spec.num_speculative_tokens
         if kernels is None or not kernels.shape_supported(

@@ -146,6 +146,7 @@ def hopper_decode(
     num_warps: int = 4,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    maxnreg: int | None = None,
 ) -> None:
     """Decode attention of each request's query tokens over its cached keys, into ``out``.
 
@@ -168,6 +169,8 @@ def hopper_decode(
         k_scale, v_scale: float32 scales of 8-bit pages: one element each (per tensor)
             or ``[num_blocks, block_size, kv_heads]`` of any strides (per token and
             head); ``None`` for pages in the query's dtype.
+        maxnreg: registers a thread at most (``None``: the compiler's choice, which takes
+            the whole register file); 128 lets two programs share a multiprocessor.
 
     The caller checks :func:`hopper_decode_supported`. Rows past ``cu_seqlens_q[-1]``
     are left untouched.
@@ -219,6 +222,7 @@ def hopper_decode(
         WRITE_LSE=write_lse,
         KV_QUANT=kv_quant,
         num_warps=num_warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if split:
         merge_splits(out, partial_out, partial_lse, lse, cu_seqlens_q, num_reqs, num_splits)

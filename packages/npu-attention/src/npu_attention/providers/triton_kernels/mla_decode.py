@@ -11,6 +11,10 @@ With one split the program writes the normalized output; with several, each spli
 writes its partial output and log-sum-exp (base 2) and a second launch merges them.
 With ``WRITE_LSE`` the row's natural-log log-sum-exp is written too (``-inf`` for a
 request of KV length 0, whose output is zeros), by whichever launch writes the output.
+An fp8 latent cache (one scale for both planes, vLLM's MLA ``fp8``) is loaded as e4m3
+codes and converted in registers (``dequant.py`` on a GPU); the scale joins the score
+scale and multiplies the output.
+
 Per-step arguments (query offsets, sequence lengths, block tables) are read on the
 device and the grid depends only on the plan's request count and the split count,
 so the launches can be captured in a device graph.
@@ -24,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from npu_attention.providers.triton_kernels.dequant import dequant_tl
 from npu_attention.providers.triton_kernels.utils import next_power_of_2
 
 _LOG2E = 1.4426950408889634
@@ -55,6 +60,7 @@ def _mla_decode_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     scale_log2,
+    k_scale_ptr,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -86,8 +92,12 @@ def _mla_decode_kernel(
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    FP8: tl.constexpr = False,
+    FAST_DEQUANT: tl.constexpr = False,
 ):
     request = tl.program_id(0)
+    if FP8:  # scores and output scaled once: the codes' dot products times the scale
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     split = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + request)
     q_len = tl.load(cu_seqlens_q_ptr + request + 1) - q_start
@@ -144,6 +154,13 @@ def _mla_decode_kernel(
             mask=pos_ok[:, None] & r_ok[None, :],
             other=0.0,
         )
+        if FP8:
+            if FAST_DEQUANT:
+                kv_c = dequant_tl(kv_c, q.dtype)
+                k_pe = dequant_tl(k_pe, q.dtype)
+            else:
+                kv_c = kv_c.to(q.dtype)
+                k_pe = k_pe.to(q.dtype)
         scores = tl.dot(q, tl.trans(kv_c), input_precision=PRECISION)
         scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
         scores *= scale_log2
@@ -158,6 +175,8 @@ def _mla_decode_kernel(
         m_i = m_new
 
     normalized = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8:
+        normalized = normalized * tl.load(k_scale_ptr)
     lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
     if SPLITS == 1:
         tl.store(
@@ -279,6 +298,7 @@ def mla_decode_attention(
     scale: float,
     config: MLADecodeConfig,
     lse: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
 ) -> None:
     """Absorbed attention of the first ``num_decodes`` requests (see the module doc).
 
@@ -291,6 +311,8 @@ def mla_decode_attention(
         max_query_len: bound on a decode request's query tokens (sets the rows per program).
         lse: optional float32 ``[tokens, N]``, rows ``< num_decode_tokens`` get the
             natural-log log-sum-exp.
+        k_scale: float32, one element: the caches are float8_e4m3fn, read as
+            ``code * k_scale``.
     """
     num_heads, latent = q_latent.shape[1], q_latent.shape[2]
     rope = q_rope.shape[2]
@@ -325,6 +347,7 @@ def mla_decode_attention(
         partial_out,
         partial_lse,
         scale * _LOG2E,
+        out if k_scale is None else k_scale,  # unused without FP8
         *q_latent.stride(),
         *q_rope.stride(),
         *kv_c_cache.stride(),
@@ -344,6 +367,10 @@ def mla_decode_attention(
         SPLITS=splits,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
         WRITE_LSE=lse is not None,
+        FP8=k_scale is not None,
+        FAST_DEQUANT=k_scale is not None
+        and q_latent.is_cuda
+        and q_latent.dtype in (torch.float16, torch.bfloat16),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
