@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--probe-every", type=float, default=240, help="seconds between probes")
     parser.add_argument("--sample-every", type=float, default=10)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-tokens", type=int, default=2560, help="KV cache size in tokens")
+    parser.add_argument("--kv-tokens", type=int, default=2304, help="KV cache size in tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks/results/soak_server.json")
     parser.add_argument("--report", type=Path, help="print this earlier result instead of a run")
