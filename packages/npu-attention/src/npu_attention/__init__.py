@@ -13,6 +13,7 @@ from npu_attention.mla import (
     LatentCache,
     MLASpec,
     mla_decode,
+    mla_finish_decode,
     mla_prefill,
     mla_write_cache,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "kv_quant",
     "merge_attention_states",
     "mla_decode",
+    "mla_finish_decode",
     "mla_prefill",
     "mla_write_cache",
     "plan",
