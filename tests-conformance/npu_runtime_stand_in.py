@@ -28,11 +28,13 @@ tensors:
   for every joined stream's last work (torch_npu's ``capture_end`` fails, 107025:
   "capture model contains a stream that was not joined to the original stream").
   The current stream is per host thread, as in torch_npu.
-- Collectives: a ``torch.distributed`` collective issued during a capture (a ``c10d``
-  op: HCCL's on the NPU, gloo's here) is recorded whole as one task of the graph, as
-  torch_npu captures an HCCL collective; each replay issues it again on the captured
-  tensors and waits for it (a stream-ordered collective). Every rank replays its graphs
-  step by step, so each issues the same collectives in the same order.
+- Collectives: a ``torch.distributed`` collective (:data:`DIST_COLLECTIVES`: HCCL's on
+  the NPU, gloo's here) called during a capture is recorded whole as one task of the
+  graph, as torch_npu captures an HCCL collective; each replay calls it again on the
+  captured tensors, to completion (a stream-ordered collective). Every rank replays its
+  graphs step by step, so each issues the same collectives in the same order. A ``c10d``
+  op reached otherwise during a capture is refused (recorded below, gloo's threads and
+  completion would replay stale buffers).
 - Task groups: ``graph_task_group_begin/end(stream)`` bracket ops on the capture
   stream and return a handle. ``graph_task_update_begin(stream, handle)`` ...
   ``graph_task_update_end(stream)`` must run on a stream other than the capture
@@ -67,6 +69,7 @@ updates and synchronizes. Nothing in the packages imports this module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.machinery
 import inspect
 import threading
@@ -78,6 +81,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from schema_stand_in import (
     Call,
     CallLog,
@@ -89,7 +93,6 @@ from schema_stand_in import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 from torch.utils._python_dispatch import _pop_mode as _pop_dispatch_mode
-from torch.utils._pytree import tree_leaves
 from torch_npu_schemas import PythonApi, SchemaViolation, bind_python
 
 from npu_graphs.backends.host import _SHAPE_QUERIES, HostGraph, _kind_of, _Recorder
@@ -334,7 +337,7 @@ class NpuRuntime(Launcher):
         capture, thread = self.capture, threading.get_ident()
         if capture is None or thread in capture.recorders:
             return False
-        recorder = _DeviceRecorder(capture.graph.host, self)
+        recorder = _DeviceRecorder(capture.graph.host)
         self._push(recorder)
         capture.recorders[thread] = recorder
         return True
@@ -598,42 +601,76 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)}@{tensor.data_ptr():#x}"
 
 
+# torch.distributed's collectives a capture records whole (those that exist).
+DIST_COLLECTIVES = (
+    "all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_to_all_single", "broadcast",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class CollectiveTask:
-    """A ``torch.distributed`` collective (a ``c10d`` op) as a recorded graph op: a
-    replay issues it and waits for its ``Work``, as a captured HCCL task completes in
-    stream order."""
+    """A ``torch.distributed`` collective as a recorded graph op: a replay calls it to
+    completion, as a captured HCCL task completes in stream order."""
 
-    op: Any
+    collective: Callable[..., Any]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result = self.op(*args, **kwargs)
-        for leaf in tree_leaves(result):
-            if isinstance(leaf, torch.ScriptObject) and leaf._has_method("wait"):
-                leaf.wait()
-        return result
+        return self.collective(*args, **kwargs)
 
     def __str__(self) -> str:
-        return f"{self.op} (collective)"
+        return f"torch.distributed.{self.collective.__name__} (collective)"
+
+
+def capture_collectives(runtime: NpuRuntime) -> Callable[[], None]:
+    """Record the :data:`DIST_COLLECTIVES` called during a capture of ``runtime`` as one
+    :class:`CollectiveTask` each (run once, unrecorded, at capture); returns what puts
+    torch.distributed's own functions back."""
+    saved = {name: getattr(dist, name) for name in DIST_COLLECTIVES if hasattr(dist, name)}
+    for name, collective in saved.items():
+        setattr(dist, name, _captured_collective(runtime, collective))
+
+    def restore() -> None:
+        for name, collective in saved.items():
+            setattr(dist, name, collective)
+
+    return restore
+
+
+def _captured_collective(runtime: NpuRuntime, collective: Callable[..., Any]) -> Any:
+    @functools.wraps(collective)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        capture = runtime.capture
+        if capture is None or threading.get_ident() not in capture.recorders:
+            return collective(*args, **kwargs)
+        host = capture.graph.host
+        if host.opaque_depth:  # inside another collective, or the runtime's own work
+            return collective(*args, **kwargs)
+        _expect(
+            not kwargs.get("async_op", False),
+            f"torch.distributed.{collective.__name__}(async_op=True) in a capture: not modeled",
+        )
+        with runtime.unrecorded():
+            result = collective(*args, **kwargs)
+        host.append(Op(CollectiveTask(collective), args, kwargs, None, Kind.MUTATE))
+        runtime.stats["captured_collectives"] += 1
+        return result
+
+    return call
 
 
 class _DeviceRecorder(_Recorder):
-    """npu-graphs' host recorder, with each ``c10d`` op (a collective) recorded whole as
-    a :class:`CollectiveTask` instead of below (where gloo's threads do its work and
-    nothing would be replayed)."""
-
-    def __init__(self, graph: HostGraph, runtime: NpuRuntime) -> None:
-        super().__init__(graph)
-        self._runtime = runtime
+    """npu-graphs' host recorder, refusing a ``c10d`` op that no captured collective
+    (:func:`capture_collectives`) issued: recorded below, its work (in gloo's threads,
+    and in its completion, from buffers of its own) would replay stale or not at all."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace != "c10d" or self._graph.opaque_depth:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        kwargs = kwargs or {}
-        outputs = func(*args, **kwargs)
-        self._graph.append(Op(CollectiveTask(func), args, kwargs, outputs, Kind.MUTATE))
-        self._runtime.stats["captured_collectives"] += 1
-        return outputs
+        if func.namespace == "c10d" and not self._graph.opaque_depth:
+            raise SchemaViolation(
+                f"{func} issued in a capture outside torch.distributed's collectives "
+                f"{DIST_COLLECTIVES}: the simulation captures collectives through those"
+            )
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class _UpdateGuard(TorchDispatchMode):

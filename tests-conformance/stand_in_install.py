@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator
 
 import torch
-from npu_runtime_stand_in import NpuRuntime, StandInNpuNamespace
+from npu_runtime_stand_in import NpuRuntime, StandInNpuNamespace, capture_collectives
 from schema_stand_in import CallLog, StandInTorchNpu
 from torch_npu_schemas import TorchNpuApi
 
@@ -18,9 +18,12 @@ def install_stand_in(api: TorchNpuApi, log: CallLog) -> StandInTorchNpu:
     """Put a stand-in ``torch_npu`` in ``sys.modules`` and its ``torch.npu`` on torch.
 
     ``module.npu`` is the ``torch.npu`` namespace; ops and runtime share ``log``.
+    torch.distributed's collectives called during a capture are captured whole
+    (``module.restore_collectives()`` puts torch.distributed's own back).
     """
     module = StandInTorchNpu(api, log)
     runtime = NpuRuntime(api.python, log)
+    module.restore_collectives = capture_collectives(runtime)
     module.launcher = runtime
     module.npu = StandInNpuNamespace(runtime)
     sys.modules["torch_npu"], sys.modules["torch_npu.npu"] = module, module.npu
@@ -40,6 +43,7 @@ def installed_stand_in(api: TorchNpuApi) -> Iterator[StandInTorchNpu]:
         yield module
     finally:
         module.npu.runtime.close()
+        module.restore_collectives()
         for name, saved in saved_modules.items():
             if saved is _MISSING:
                 sys.modules.pop(name, None)
