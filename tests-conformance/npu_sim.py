@@ -14,6 +14,13 @@ backend with every graph captured at start-up. Prints two lines:
     NPU <json: graphs_captured, replays, task_updates, synchronizes (inside replayed
          steps), torch_npu_calls (op name -> calls), and more; see Simulation.report>
 
+Parallel runs: ``--tensor-parallel-size``, ``--decode-context-parallel-size`` (worker
+processes of vLLM's multiprocessing executor, which simulate the NPU through
+``npu_sim_site``'s ``sitecustomize``), ``--data-parallel-size N`` (N processes of this
+script, one engine per DP rank; rank r generates prompts r, r + N, ...), ``--enable-dbo``.
+vLLM's process groups talk through the NPU platform's communicator, over gloo. The NPU
+line sums every worker process's report and keeps each under ``ranks``.
+
 The torch-npu wheel comes as the conformance tests get it (``$TORCH_NPU_WHEEL_DIR``, else
 pytest's cache folder of this repository; downloaded once with pip).
 """
