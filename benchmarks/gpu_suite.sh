@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_suite.sh tests   # the `-m cuda` tests of npu-attention and npu-graphs
 #                                        # (four processes at once: 4 minutes on a fresh H100 machine)
 #   bash benchmarks/gpu_suite.sh final   # every benchmark at its defaults
-#   bash benchmarks/gpu_suite.sh kv8     # 8-bit KV caches: their `cuda` tests, then decode and
+#   bash benchmarks/gpu_suite.sh kv8     # 8-bit KV caches: their `cuda` tests (GQA and the MLA
+#                                        # fp8 latent cache, three processes), then decode and
 #                                        # prefill of int8_per_token_head, fp8 and
 #                                        # fp8_per_token_head against the 16-bit cache
 #                                        # (KV8_PARTS, KV8_VARIANTS: a subset, decode settings)
@@ -88,9 +89,16 @@ case $mode in
         ;;
     kv8)  # KV8_PARTS: which of tests, decode, prefill (default: all three)
         parts=${KV8_PARTS:-tests decode prefill}
-        if [[ $parts == *tests* ]]; then
-            part tests_kv8 150 python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5 \
-                packages/npu-attention/tests/test_triton_kv_quant.py
+        if [[ $parts == *tests* ]]; then  # three pytest processes at once
+            attention=packages/npu-attention/tests
+            pytest_cuda=(python -m pytest -q -m cuda -ra -p no:cacheprovider --durations=5)
+            part_log=$dest/tests_kv8.log part tests_kv8 180 "${pytest_cuda[@]}" \
+                "$attention/test_triton_kv_quant.py" -k "not hopper_decode_over_8bit_pages" &
+            part_log=$dest/tests_kv8_hopper.log part tests_kv8_hopper 180 "${pytest_cuda[@]}" \
+                "$attention/test_triton_kv_quant.py" -k hopper_decode_over_8bit_pages &
+            part_log=$dest/tests_kv8_mla.log part tests_kv8_mla 180 "${pytest_cuda[@]}" \
+                "$attention/test_mla_triton_kv_quant.py" &
+            wait
         fi
         if [[ $parts == *decode* ]]; then
             for kind in int8_per_token_head fp8 fp8_per_token_head; do
