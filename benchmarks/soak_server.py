@@ -18,9 +18,10 @@ requests have passed, each drawn at random (``--seed``) from:
 * ``drop``: a streamed chat completion closed by the client after two chunks;
 * ``long``: a completion whose prompt (random token ids) and answer (64 to 256 tokens)
   reach to within 16 tokens of ``max_model_len``;
-* ``grow``: a completion of a prompt of a half to two thirds of ``max_model_len``
-  (random token ids) and 256 to 512 tokens of answer: the cache admits two of them, or
-  one beside the chats, and runs out as they grow;
+* ``grow``: a completion of a prompt of a third to a half of ``max_model_len`` (random
+  token ids) and 256 to 512 tokens of answer: the cache admits two or three of them,
+  and runs out as they grow. Each client's first request after a probe round is one:
+  they reach an empty cache together, and vLLM must preempt;
 * ``chat``: a chat completion, not streamed;
 * ``bad``: a prompt longer than ``max_model_len``, a negative ``max_tokens``, malformed
   JSON, an unknown model or a non-numeric temperature: each must get a 4xx answer.
@@ -210,7 +211,7 @@ def one_request(
         status, _ = client.post("/v1/completions", {**body, "temperature": 0.0, "ignore_eos": True})
         return status, status == 200
     if kind == "grow":
-        prompt_len = rng.randint(max_model_len // 2, max_model_len * 2 // 3)
+        prompt_len = rng.randint(max_model_len // 3, max_model_len // 2)
         prompt = [rng.choice(VOCAB) for _ in range(prompt_len)]
         max_tokens = rng.randint(256, 512)  # two of them outgrow a cache that took both
         body = {"model": client.model, "prompt": prompt, "max_tokens": max_tokens}
@@ -237,6 +238,7 @@ class Load:
     idle: threading.Condition = field(default_factory=threading.Condition)
     in_flight: int = 0
     sent: int = 0
+    resumed: int = 0  # times the load (re)started: a client's first request after is ``grow``
     outcomes: list[Outcome] = field(default_factory=list)
 
     def done(self) -> bool:
@@ -271,8 +273,11 @@ class Load:
 def client_loop(load: Load, client: Client, seed: int, max_model_len: int) -> None:
     rng = random.Random(seed)
     kinds, weights = list(KINDS), list(KINDS.values())
+    seen = 0
     while load.take_turn():
         kind = rng.choices(kinds, weights)[0]
+        if load.resumed != seen:  # all clients at once on an empty cache
+            seen, kind = load.resumed, "grow"
         start = time.monotonic()
         try:
             status, ok = one_request(client, kind, rng, max_model_len)
@@ -472,6 +477,7 @@ def drive(load: Load, client: Client, baseline: list, every: float) -> list[dict
     rounds = []
     started = time.monotonic()
     while not load.done():
+        load.resumed += 1
         load.running.set()
         next_probe = time.monotonic() + every
         while time.monotonic() < next_probe and not load.done():
