@@ -204,3 +204,18 @@ def test_gpu_hopper_decode_over_8bit_pages(
         if name == "split":
             assert launches[0][0] > 1
         _check(case, out, quant, step)
+
+
+def test_split_and_register_rules_of_the_8bit_gluon_decode(monkeypatch) -> None:
+    """On 132 multiprocessors, 16 requests x 8 KV heads: unsplit over 16-bit pages (one
+    program each fills the GPU), three splits over 8-bit pages (three programs a
+    multiprocessor); the register cap rises to 128 above head size 128."""
+    monkeypatch.setattr(triton_provider, "_multiprocessors", lambda device: 132)
+    provider = triton_provider.TritonProvider()
+    cpu = torch.device("cpu")
+    assert provider._num_kv_splits(16, 8, 16384, cpu, True) == 1
+    assert provider._num_kv_splits(16, 8, 16384, cpu, True, eight_bit=True) == 3
+    assert provider._num_kv_splits(16, 8, 200, cpu, True, eight_bit=True) == 2  # 128-key shares
+    assert triton_provider._maxnreg(80, 128) == 80
+    assert triton_provider._maxnreg(80, 256) == 128
+    assert triton_provider._maxnreg(None, 256) is None

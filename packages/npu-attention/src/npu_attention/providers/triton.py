@@ -53,7 +53,8 @@ class TritonStepData:
     along each decode request's keys (1 = no split); ``one_wave``: a decode whose
     programs (splits included) fit one per multiprocessor, launched with the wider
     ``decode_launch_one_wave`` tiles; ``hopper_decode``: the decode goes to the Gluon
-    kernel of ``hopper_decode.py`` (splits chosen for one program per multiprocessor);
+    kernel of ``hopper_decode.py`` (splits chosen for one program per multiprocessor,
+    ``hopper_decode_programs_per_sm_8bit`` over 8-bit pages);
     ``hopper_long``: each of its programs reads at least ``hopper_decode_long_keys``
     keys (the longest request's share), launched with ``hopper_decode_launch_long``.
     """
