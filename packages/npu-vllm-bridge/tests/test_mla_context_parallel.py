@@ -164,26 +164,3 @@ def test_a_skipped_rank_update_is_caught():
     errors = _errors(update=False)
     assert errors[0] < ATOL
     assert min(errors[1:]) > 1e-2, errors
-
-
-def test_dummy_run_slots_in_the_null_block_become_padding():
-    """vLLM's dummy runs point every block-table row at the null block (0): this rank's
-    tokens get slots there, beside the ``-1`` of other ranks' tokens, which the ascend
-    write redirects to rows of the same block. The plan makes them padding, so the
-    write's slots stay distinct (npu_scatter_pa_kv_cache takes distinct slots)."""
-    from npu_attention.providers.ascend import written_slots
-
-    tokens = 4
-    tables = torch.zeros(tokens, WIDTH, dtype=torch.int32)
-    positions = np.arange(tokens)
-    for rank in range(SIZE):
-        slots = torch.from_numpy(
-            dcp_slot_mapping(positions, positions, tables.numpy(), BLOCK, SIZE, rank, 1)
-        )
-        assert (slots >= 0).any() and (slots < 0).any()  # both kinds, before planning
-        plan = plan_mla_dcp(
-            [1] * tokens, [1] * tokens, tables, slots, tokens, SPEC, DCPLayout(SIZE, rank)
-        )
-        written, _ = written_slots(plan, tokens)
-        assert written.unique().numel() == tokens, written.tolist()
-        assert written.tolist() == list(range(tokens))  # each token its own null row

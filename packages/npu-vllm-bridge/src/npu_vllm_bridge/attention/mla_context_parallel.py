@@ -32,7 +32,7 @@ from npu_attention import AttentionPlan, plan_context
 from npu_attention.context_parallel import dcp_local_seq_lens
 from npu_attention.mla import MLASpec
 from npu_vllm_bridge.attention.context_parallel import DCPLayout, gather_heads, merge_rank_parts
-from npu_vllm_bridge.attention.padding_slots import NULL_BLOCK, SLOT_HANDLING
+from npu_vllm_bridge.attention.padding_slots import SLOT_HANDLING
 
 
 def plan_mla_dcp(
@@ -74,7 +74,6 @@ def plan_mla_dcp(
     rows[: len(request)] = request
     index = torch.from_numpy(rows).to(block_tables.device)
     gathered = dataclasses.replace(spec, num_heads=spec.num_heads * layout.size)
-    null_block_slots_to_padding(slot_mapping, spec.block_size)
     return plan_context(
         np.arange(num_tokens + 1),
         visible,
@@ -86,21 +85,6 @@ def plan_mla_dcp(
         slot_mapping=slot_mapping,
         **SLOT_HANDLING,
     )
-
-
-def null_block_slots_to_padding(slot_mapping: torch.Tensor, block_size: int) -> None:
-    """Make ``slot_mapping``'s slots in vLLM's null block ``-1``, in place, on its device.
-
-    vLLM's dummy runs (warm-up, memory profile, graph capture) point every request's
-    block-table row at the null block, so under DCP the tokens this rank keeps get slots
-    there, beside the ``-1`` of the tokens other ranks keep. The plan's KV write sends
-    ``-1`` tokens to rows of that same block (``padding_slots.py``), one row per token
-    index: both kinds together may name one row twice (``npu_scatter_pa_kv_cache`` takes
-    distinct slots). No request's keys live in the null block, so those slots are
-    padding; a real step has none."""
-    start = NULL_BLOCK * block_size
-    in_null_block = (slot_mapping >= start) & (slot_mapping < start + block_size)
-    slot_mapping.masked_fill_(in_null_block, -1)
 
 
 class BridgeMLADCP:
