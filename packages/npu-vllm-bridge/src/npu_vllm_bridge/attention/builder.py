@@ -119,8 +119,15 @@ class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> M:
         """Plan the dummy capture batch as if every request held the longest context,
         so that workspaces sized at capture cover every replay (host graphs re-run their
-        tasks with each step's plan and keep vLLM's dummy lengths)."""
+        tasks with each step's plan and keep vLLM's dummy lengths).
+
+        Under DCP vLLM's capture batch (``prepare_dcp_dummy_context_metadata``) gives
+        every dummy request the same block-table row and context length, so their
+        tokens share one slot; their keys are dummies, written nowhere (slot ``-1``, as
+        in vLLM's other dummy runs): a KV write takes distinct slots on the NPU."""
         cm = common_attn_metadata
+        if self.dcp is not None:
+            cm.slot_mapping.fill_(-1)
         return self.plan_step(cm, self.step_lengths(cm, for_capture=True))
 
     def step_lengths(self, cm: CommonAttentionMetadata, for_capture: bool) -> StepLengths:
