@@ -20,8 +20,9 @@ requests have passed, each drawn at random (``--seed``) from:
   reach to within 16 tokens of ``max_model_len``;
 * ``grow``: a completion of a prompt of a third to a half of ``max_model_len`` (random
   token ids) and 256 to 512 tokens of answer: the cache admits two or three of them,
-  and runs out as they grow. Each client's first request after a probe round is one:
-  they reach an empty cache together, and vLLM must preempt;
+  and runs out as they grow. After each probe round, the first request of every other
+  client is one (they reach an empty cache together, and vLLM must preempt), that of
+  the others a ``bad`` one;
 * ``chat``: a chat completion, not streamed;
 * ``bad``: a prompt longer than ``max_model_len``, a negative ``max_tokens``, malformed
   JSON, an unknown model or a non-numeric temperature: each must get a 4xx answer.
@@ -69,7 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests-integration"))
 
-KINDS = {"stream": 4, "drop": 2, "long": 2, "grow": 2, "chat": 1, "bad": 2}  # relative weights
+KINDS = {"stream": 4, "drop": 2, "long": 2, "grow": 1, "chat": 1, "bad": 2}  # relative weights
 PROBES = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -238,7 +239,7 @@ class Load:
     idle: threading.Condition = field(default_factory=threading.Condition)
     in_flight: int = 0
     sent: int = 0
-    resumed: int = 0  # times the load (re)started: a client's first request after is ``grow``
+    resumed: int = 0  # times the load (re)started: a client's first request after is set
     outcomes: list[Outcome] = field(default_factory=list)
 
     def done(self) -> bool:
@@ -276,8 +277,8 @@ def client_loop(load: Load, client: Client, seed: int, max_model_len: int) -> No
     seen = 0
     while load.take_turn():
         kind = rng.choices(kinds, weights)[0]
-        if load.resumed != seen:  # all clients at once on an empty cache
-            seen, kind = load.resumed, "grow"
+        if load.resumed != seen:  # half the clients at once on an empty cache
+            seen, kind = load.resumed, ("grow", "bad")[seed % 2]
         start = time.monotonic()
         try:
             status, ok = one_request(client, kind, rng, max_model_len)
