@@ -124,3 +124,53 @@ def test_a_draft_models_own_config_passes_the_startup_checks(tmp_path):
     )
     assert draft.runner_type == "draft"
     checks.check_model_and_options(VllmConfig(model_config=draft))
+
+
+def _quantized_spec_config(tmp_path, kv_cache_dtype: str, mode: str):
+    from vllm.config import CUDAGraphMode
+
+    config = _config(_model(tmp_path / "target", dtype="float16", head_dim=128), "ngram")
+    config.cache_config = SimpleNamespace(cache_dtype=kv_cache_dtype)
+    config.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode])
+    return config
+
+
+def _use_provider(monkeypatch, name: str) -> None:
+    from vllm.platforms import current_platform
+
+    from npu_vllm_bridge.settings import BridgeSettings
+
+    monkeypatch.setattr(
+        type(current_platform), "bridge_settings", BridgeSettings(name), raising=False
+    )
+
+
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "FULL"])
+def test_ascend_verify_over_int8_pages_in_full_graphs_is_refused(tmp_path, monkeypatch, mode):
+    """The ascend provider dequantizes the pages of a verify step with torch ops, which a
+    task update cannot re-issue: refused at start-up, naming what to change."""
+    _use_provider(monkeypatch, "ascend")
+    with pytest.raises(
+        ValueError,
+        match=r"'ascend' attention provider cannot run speculative decoding's verify steps "
+        r"over kv_cache_dtype='int8_per_token_head' pages in FULL graphs; use "
+        r"kv_cache_dtype='auto', or cudagraph_mode PIECEWISE",
+    ):
+        checks.check_quantized_verify(_quantized_spec_config(tmp_path, "int8_per_token_head", mode))
+
+
+@pytest.mark.parametrize(
+    ("provider", "kv_cache_dtype", "mode"),
+    [
+        ("ascend", "int8_per_token_head", "PIECEWISE"),
+        ("ascend", "int8_per_token_head", "NONE"),
+        ("ascend", "auto", "FULL_DECODE_ONLY"),
+        ("reference", "int8_per_token_head", "FULL_DECODE_ONLY"),
+        ("reference", "fp8", "FULL_AND_PIECEWISE"),
+    ],
+)
+def test_quantized_verify_is_accepted_where_it_runs(
+    tmp_path, monkeypatch, provider, kv_cache_dtype, mode
+):
+    _use_provider(monkeypatch, provider)
+    checks.check_quantized_verify(_quantized_spec_config(tmp_path, kv_cache_dtype, mode))

@@ -22,6 +22,7 @@ from npu_attention.providers.base import AttentionProvider
 from npu_attention.registry import (
     available_providers,
     get_provider,
+    quantized_verify_in_graphs,
     register_provider,
     returns_lse,
     supported_head_sizes,
@@ -57,6 +58,7 @@ __all__ = [
     "mla_write_cache",
     "plan",
     "plan_context",
+    "quantized_verify_in_graphs",
     "register_provider",
     "returns_lse",
     "run",

@@ -100,6 +100,17 @@ def returns_lse(name: str, family: str = "attention") -> bool:
     return bool(_provider_class(name, family).returns_lse)
 
 
+def quantized_verify_in_graphs(name: str, family: str = "attention") -> bool:
+    """Whether the provider called ``name`` can run a step of several query tokens per
+    request (a speculative verify step) over quantized pages as a captured graph task;
+    like ``supported_head_sizes``, needs only its class.
+
+    Raises:
+        ValueError: unknown name or family.
+    """
+    return bool(getattr(_provider_class(name, family), "quantized_verify_in_graphs", True))
+
+
 def supported_kv_cache_dtypes(name: str, family: str = "attention") -> tuple[str, ...]:
     """The ``kv_cache_dtype`` values (``npu_attention.kv_quant``) the provider called
     ``name`` reads and writes; like ``supported_head_sizes``, needs only its class.

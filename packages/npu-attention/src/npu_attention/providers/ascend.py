@@ -188,6 +188,8 @@ class AscendProvider(AttentionProvider):
     # The quantizing write is device work a task update cannot re-issue: graphs issue it
     # before the attention's task group (module doc).
     quantized_write_outside_task: ClassVar[bool] = True
+    # Steps of several query tokens read a dequantized copy of their pages (module doc).
+    quantized_verify_in_graphs: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}

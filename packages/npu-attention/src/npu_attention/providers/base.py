@@ -37,6 +37,10 @@ class AttentionProvider(ABC):
     # refuses others); a provider that takes quantized kinds gets ``scales=`` in
     # ``write_kv`` and ``attend``.
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    # Whether a step of several query tokens per request (a speculative verify step)
+    # over quantized pages can be a captured graph task: a provider that dequantizes
+    # such pages with torch ops first cannot have that work re-issued by a task update.
+    quantized_verify_in_graphs: ClassVar[bool] = True
 
     @classmethod
     def is_available(cls) -> bool:

@@ -14,7 +14,7 @@ from npu_attention.mla import MLASpec
 from npu_graphs import get_backend, plan_capture
 from npu_vllm_bridge.attention.capabilities import KERNEL_BLOCK_SIZES, refuse_head_size
 from npu_vllm_bridge.platforms.context_parallel_checks import check_context_parallel
-from npu_vllm_bridge.platforms.speculative import check_speculative
+from npu_vllm_bridge.platforms.speculative import check_quantized_verify, check_speculative
 from npu_vllm_bridge.settings import PREFIX, current_provider, refuse_kv_cache_dtype
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ def _check_cache(vllm_config: VllmConfig) -> None:
 def _check_parallel_and_speculative(vllm_config: VllmConfig) -> None:
     check_context_parallel(vllm_config)
     check_speculative(vllm_config)
+    check_quantized_verify(vllm_config)
     if vllm_config.kv_transfer_config is not None:
         raise ValueError(f"{PREFIX} does not support KV transfer connectors (kv_transfer_config)")
 

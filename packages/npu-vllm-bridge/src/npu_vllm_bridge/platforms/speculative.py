@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import npu_attention
 from npu_vllm_bridge.attention.capabilities import refuse_head_size
-from npu_vllm_bridge.settings import PREFIX
+from npu_vllm_bridge.settings import PREFIX, current_provider
 from npu_vllm_bridge.spec_methods import (
     DRAFT_FREE_METHODS,
     DRAFT_HEAD_METHODS,
@@ -65,6 +66,30 @@ def check_speculative(vllm_config: VllmConfig) -> None:
     if method in DRAFT_FREE_METHODS or spec.draft_model_config is None:
         return
     _check_draft_layout(target, spec.draft_model_config, method)
+
+
+def check_quantized_verify(vllm_config: VllmConfig) -> None:
+    """Refuse speculative decoding over an 8-bit KV cache in FULL graphs where the
+    provider cannot capture a verify step over quantized pages (``ValueError`` naming
+    the provider, the kind and what to change): its replays would re-run a stale
+    dequantization outside the graph."""
+    spec = vllm_config.speculative_config
+    kv_cache_dtype = vllm_config.cache_config.cache_dtype
+    if spec is None or kv_cache_dtype in (None, "auto"):
+        return
+    if not vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs():
+        return
+    model_config = vllm_config.model_config
+    family = "mla" if model_config is not None and model_config.use_mla else "attention"
+    provider = current_provider(family)
+    if npu_attention.quantized_verify_in_graphs(provider, family):
+        return
+    raise ValueError(
+        f"{PREFIX}: the {provider!r} attention provider cannot run speculative decoding's "
+        f"verify steps over kv_cache_dtype={kv_cache_dtype!r} pages in FULL graphs; use "
+        "kv_cache_dtype='auto', or cudagraph_mode PIECEWISE (or --enforce-eager) with "
+        f"{kv_cache_dtype!r}"
+    )
 
 
 def _check_mtp(target: ModelConfig | None, method: str) -> None:
