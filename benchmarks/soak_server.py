@@ -431,8 +431,8 @@ def run(args: argparse.Namespace) -> dict:
     counters_dir = args.output.with_suffix(".counters")
     stats_dir = counters_dir / "processes"
     stats_dir.mkdir(parents=True, exist_ok=True)
-    for old in stats_dir.glob("*.json"):
-        old.unlink()
+    for old in [*stats_dir.glob("*.json"), *counters_dir.glob("*.json")]:
+        old.unlink()  # an earlier run's
     hook = str(Path(__file__).resolve().parent / "soak_process_stats")
     env = {
         COUNTERS_DIR_ENV: str(counters_dir),
