@@ -41,6 +41,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests-integration"))
 
+from communicator_sim_ranks import SIZES, communicator_rank, rank_rows  # noqa: E402
 from test_npu_sim_engine import RUNNER, TIE_TOLERANCE, argmax_gaps  # noqa: E402
 
 BY_HAND = pytest.mark.skipif(
@@ -60,45 +61,6 @@ def _free_port() -> int:
 
 
 # -- the NPU communicator in a simulated graph --------------------------------------
-SIZES = [2, 3]  # rows each rank brings to the variable-size collectives
-WIDTH = 4
-
-
-def _rank_rows(rank: int, step: int) -> torch.Tensor:
-    """Rank ``rank``'s rows at ``step``: every value ``100 * step + 10 * rank + row``."""
-    rows = torch.arange(SIZES[rank], dtype=torch.float16)[:, None].expand(-1, WIDTH)
-    return rows + 100 * step + 10 * rank
-
-
-def _communicator_rank(rank: int, port: int, wheel_dir: str, results) -> None:
-    import torch.distributed as dist
-    from stand_in_install import installed_stand_in
-    from torch_npu_schemas import download_wheel, read_wheel
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    api = read_wheel(download_wheel(Path(wheel_dir)))
-    with installed_stand_in(api):
-        from npu_vllm_bridge.worker.npu_communicator import NPUCommunicator
-
-        group = dist.group.WORLD
-        communicator = NPUCommunicator(cpu_group=group, device_group=group)
-        mine = _rank_rows(rank, step=0)
-        everyone = torch.zeros(sum(SIZES), WIDTH, dtype=torch.float16)
-        graph, stream = torch.npu.NPUGraph(), torch.npu.Stream()
-        with torch.npu.graph(graph, stream=stream):
-            gathered = communicator.all_gatherv(mine * 1, dim=0, sizes=SIZES)
-            scattered = communicator.reduce_scatterv(everyone * 1, dim=0, sizes=SIZES)
-            summed = communicator.all_reduce(mine[: min(SIZES)] * 1)
-        replays = []
-        for step in (1, 2):
-            mine.copy_(_rank_rows(rank, step))
-            everyone.copy_(torch.cat([_rank_rows(r, step) for r in range(2)]))
-            graph.replay()
-            replays.append([t.tolist() for t in (gathered, scattered, summed)])
-        results.put((rank, replays, torch.npu.runtime.stats["captured_collectives"]))
-    dist.destroy_process_group()
-
-
 def test_npu_communicator_collectives_replay_in_a_simulated_graph(torch_npu_api):
     """Captured once on step 0's inputs, replayed on steps 1 and 2: each replay's
     collectives read that step's inputs."""
@@ -107,7 +69,7 @@ def test_npu_communicator_collectives_replay_in_a_simulated_graph(torch_npu_api)
     context = multiprocessing.get_context("spawn")
     results, port = context.Queue(), _free_port()
     ranks = [
-        context.Process(target=_communicator_rank, args=(rank, port, str(wheel_dir()), results))
+        context.Process(target=communicator_rank, args=(rank, port, str(wheel_dir()), results))
         for rank in range(2)
     ]
     for process in ranks:
@@ -125,12 +87,12 @@ def test_npu_communicator_collectives_replay_in_a_simulated_graph(torch_npu_api)
             gathered, scattered, summed = (
                 torch.tensor(a, dtype=torch.float16) for a in answers_of_step
             )
-            both = torch.cat([_rank_rows(r, step) for r in range(2)])
+            both = torch.cat([rank_rows(r, step) for r in range(2)])
             assert torch.equal(gathered, both), (rank, step, gathered)
             start = sum(SIZES[:rank])
             assert torch.equal(scattered, 2 * both[start : start + SIZES[rank]]), (rank, step)
             rows = min(SIZES)
-            expected = _rank_rows(0, step)[:rows] + _rank_rows(1, step)[:rows]
+            expected = rank_rows(0, step)[:rows] + rank_rows(1, step)[:rows]
             assert torch.equal(summed, expected), (rank, step, summed)
 
 
