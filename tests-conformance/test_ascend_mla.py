@@ -33,7 +33,6 @@ from npu_attention.mla import MLASpec, mla_decode, split_latent_cache
 ASCEND_MLA_TARGET = "npu_attention.providers.ascend_mla:AscendMLAProvider"
 FAULTY = "faulty_ascend_mla_providers"
 CALLS = {
-    "npu_scatter_pa_kv_cache",
     "_npu_fused_infer_attention_score_v2_get_max_workspace",
     "npu_fused_infer_attention_score_v2.out",
     "npu_fused_infer_attention_score_v2",
@@ -88,7 +87,8 @@ def test_every_call_site_runs_under_the_schema_checks(stand_in, host_ascend_mla)
         run_mla_provider(build_mla_batch(case), host_ascend_mla)
     lse_batch = DcpBatch(_case("decode_only").spec, [1, 1], [3, 0])  # the LSE decode
     lse_batch.rank_part(host_ascend_mla, 2, 0, 1)
-    assert sites <= stand_in.log.names()
+    # The latent write goes through the attention provider's scatter_rows (ascend.py).
+    assert sites | {"npu_scatter_pa_kv_cache"} <= stand_in.log.names()
 
 
 def test_decode_call_records_the_documented_arguments(stand_in, host_ascend_mla) -> None:

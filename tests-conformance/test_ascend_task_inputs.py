@@ -9,7 +9,9 @@ graph, and on V1, which updates before the replay, read the previous step's rows
   views, and the next step's call hands each op the same tensors (addresses, shapes);
 - with ``slot_handling="device"`` padding slots (``-1``) never reach
   ``npu_scatter_pa_kv_cache``: they go to rows of the null block, every token is
-  written, and the real rows land where the reference provider puts them.
+  written, and the real rows land where the reference provider puts them; a step of more
+  padding tokens than the null block has rows is written by one call per block's worth of
+  tokens, each naming its slots once, as torch_npu documents.
 """
 
 from __future__ import annotations
@@ -173,6 +175,89 @@ def test_device_slot_handling_writes_padding_into_the_null_block(stand_in, host_
     assert torch.equal(key_cache[:null], expected.key_cache)
     assert torch.equal(value_cache[:null], expected.value_cache)
     torch.testing.assert_close(key_cache[null, real : real + 2], batch.key[real : real + 2])
+
+
+def _other_rank_slots(table: torch.Tensor, tokens: int, block: int) -> torch.Tensor:
+    """Slots of one prefill of ``tokens`` tokens as decode context parallelism gives rank
+    0 of 2: even positions are this rank's (local position ``p // 2``), odd ones another
+    rank's (``-1``), so more than ``block`` tokens of the step have slot ``-1``."""
+    local = torch.arange(tokens) // 2
+    slots = table[0, local // block].long() * block + local % block
+    return torch.where(torch.arange(tokens) % 2 == 0, slots, -1)
+
+
+PADDED_TOKENS = 300  # 150 padding slots: more than the null block's 128 rows
+
+
+def test_device_slot_handling_gives_each_padding_token_of_a_call_its_own_row(
+    stand_in, host_ascend
+) -> None:
+    """A 300-token prefill of which 150 tokens are another DCP rank's (slot -1): every
+    ``npu_scatter_pa_kv_cache`` call names each slot once, as torch_npu documents (the
+    stand-in refuses duplicates), all padding rows land in the null block, and every other
+    block equals what the reference provider writes."""
+    spec = DECODE.spec
+    block, heads, size = spec.block_size, spec.num_kv_heads, spec.head_size
+    generator = torch.Generator().manual_seed(3)
+    table = torch.tensor([[1, 2, 3]], dtype=torch.int32)  # block 0: the null block
+    slots = _other_rank_slots(table, PADDED_TOKENS, block)
+    key, value = (torch.randn(PADDED_TOKENS, heads, size, generator=generator).to(spec.dtype)
+                  for _ in range(2))  # fmt: skip
+    query = torch.randn(PADDED_TOKENS, spec.num_heads, size, generator=generator).to(spec.dtype)
+    caches = {}
+    for provider in ("reference", host_ascend):
+        key_cache = torch.zeros(4, block, heads, size, dtype=spec.dtype)
+        value_cache = torch.zeros_like(key_cache)
+        step = plan([0, PADDED_TOKENS], [PADDED_TOKENS], table, slots.clone(), 0, spec,
+                    provider=provider, slot_handling="device", null_block=0)  # fmt: skip
+        out = torch.zeros_like(query)
+        run(query, key, value, key_cache, value_cache, step, out)
+        caches[provider] = key_cache, value_cache
+    calls = stand_in.log.of(SCATTER)
+    assert [call.arguments["key"].shape[0] for call in calls] == [128, 128, 44]
+    written = torch.cat([call.arguments["slot_mapping"] for call in calls])
+    for call in calls:
+        call_slots = call.arguments["slot_mapping"]
+        assert call_slots.unique().numel() == call_slots.numel()
+    padding = slots < 0
+    assert bool((written[padding] // block == 0).all()), written[padding]
+    assert torch.equal(written[~padding], slots[~padding])
+    for expected, actual in zip(caches["reference"], caches[host_ascend]):
+        assert torch.equal(actual[1:], expected[1:])
+
+
+def test_mla_device_slot_handling_gives_each_padding_token_of_a_call_its_own_row(
+    stand_in, host_ascend_mla
+) -> None:
+    """The MLA latent write of the same DCP-shaped prefill: one scatter call per 128 tokens,
+    each naming its slots once; the latents land where the reference provider puts them."""
+    from ascend_mla_cases import MLA_CASES
+
+    from npu_attention import LatentCache, mla_write_cache
+
+    spec = MLA_CASES[0].spec
+    block = spec.block_size
+    generator = torch.Generator().manual_seed(4)
+    table = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    slots = _other_rank_slots(table, PADDED_TOKENS, block)
+    kv_c = torch.randn(PADDED_TOKENS, spec.kv_lora_rank, generator=generator).to(spec.dtype)
+    k_pe = torch.randn(PADDED_TOKENS, spec.qk_rope_head_dim, generator=generator).to(spec.dtype)
+    caches = {}
+    for provider in ("reference", host_ascend_mla):
+        cache = LatentCache(torch.zeros(4, block, spec.kv_lora_rank, dtype=spec.dtype),
+                            torch.zeros(4, block, spec.qk_rope_head_dim, dtype=spec.dtype))  # fmt: skip
+        step = plan([0, PADDED_TOKENS], [PADDED_TOKENS], table, slots.clone(), 0, spec,
+                    provider=provider, slot_handling="device", null_block=0)  # fmt: skip
+        mla_write_cache(kv_c, k_pe, cache, step)
+        caches[provider] = cache
+    calls = stand_in.log.of(SCATTER)
+    assert [call.arguments["key"].shape[0] for call in calls] == [128, 128, 44]
+    for call in calls:
+        call_slots = call.arguments["slot_mapping"]
+        assert call_slots.unique().numel() == call_slots.numel()
+    expected, actual = caches["reference"], caches[host_ascend_mla]
+    assert torch.equal(actual.kv_c[1:], expected.kv_c[1:])
+    assert torch.equal(actual.k_pe[1:], expected.k_pe[1:])
 
 
 def test_device_slot_handling_needs_a_null_block(host_ascend) -> None:

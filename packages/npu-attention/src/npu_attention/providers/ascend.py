@@ -16,7 +16,16 @@ Operators, one per job:
   on the host and drops the ``-1`` ones (an index gather of the step's K/V: eager steps
   only). ``"device"``: ``prepare`` redirects them in place to rows of the plan's
   ``null_block`` with one device op, and the write takes every token of the step, so a
-  graph task re-issues it on the same tensors every step.
+  graph task re-issues it on the same tensors every step. The op also documents the
+  slots of one call as unique ("accuracy is not guaranteed if duplicate values
+  exist"), and the null block has ``block_size`` rows, while a step may hold more
+  padding tokens than that (a FULL graph of more than 128 tokens; under decode context
+  parallelism about half of a prefill's tokens are another rank's). So padding token
+  ``t`` goes to null row ``t % block_size`` and the write is issued as one call per
+  ``block_size`` tokens (``write_chunks``): within a call every padding row is
+  distinct, and calls after it may overwrite a null row, which no request reads. A
+  step of ``n`` tokens costs ``ceil(n / block_size)`` scatter calls per layer under
+  ``"device"`` handling (one under ``"host"``).
 - Every paged state (prefill with or without a cache hit, chunked prefill, decode,
   speculative decode): ``torch_npu.npu_fused_infer_attention_score.out`` in ``TND``
   layout with ``block_table`` (block size 128), cumulative query ends
@@ -252,14 +261,7 @@ class AscendProvider(AttentionProvider):
             key, value = key[data.written_tokens], value[data.written_tokens]
         if quantized:
             key, value = self._quantize_rows(key, value, scales, data.slot_mapping, plan)
-        torch_npu_module().npu_scatter_pa_kv_cache(
-            key,
-            value,
-            key_cache,
-            value_cache,
-            data.slot_mapping,
-            cache_mode="Norm",
-        )
+        scatter_rows(key, value, key_cache, value_cache, data.slot_mapping, plan)
 
     @staticmethod
     def _quantize_rows(
@@ -527,7 +529,8 @@ def written_slots(plan: AttentionPlan, num_tokens: int) -> tuple[torch.Tensor, t
 
     ``"host"``: the slots are read on the host and ``-1`` entries dropped. ``"device"``:
     ``-1`` entries are redirected in place to rows of ``plan.null_block`` (padding token
-    ``t`` to row ``t % block_size``), by one device op that reads nothing back.
+    ``t`` to row ``t % block_size``, distinct within each call of ``write_chunks``), by
+    one device op that reads nothing back.
     """
     slots = plan.slot_mapping[:num_tokens]
     if plan.slot_handling == "device":
@@ -541,6 +544,38 @@ def written_slots(plan: AttentionPlan, num_tokens: int) -> tuple[torch.Tensor, t
         return slots, None
     tokens = torch.nonzero(valid).flatten().to(slots.device)
     return slots[tokens], tokens
+
+
+def write_chunks(num_written: int, plan: AttentionPlan) -> list[slice]:
+    """The token ranges of the step's ``npu_scatter_pa_kv_cache`` calls.
+
+    ``"device"`` slot handling sends padding token ``t`` to null row ``t % block_size``
+    (``written_slots``), so a call of at most ``block_size`` consecutive tokens names
+    each slot once, as the op documents; ``"host"`` handling writes no padding row, so
+    one call takes every written token.
+    """
+    if plan.slot_handling != "device":
+        return [slice(0, num_written)]
+    size = plan.spec.block_size
+    return [slice(start, min(start + size, num_written)) for start in range(0, num_written, size)]
+
+
+def scatter_rows(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    plan: AttentionPlan,
+) -> None:
+    """Write ``key`` / ``value`` ``[num_written, N, D]`` (contiguous) at ``slots``
+    ``[num_written]`` through ``npu_scatter_pa_kv_cache`` (``cache_mode="Norm"``), one
+    call per range of ``write_chunks``; the ranges are views, so a task update re-issues
+    the same calls on the same tensors."""
+    for rows in write_chunks(slots.shape[0], plan):
+        torch_npu_module().npu_scatter_pa_kv_cache(
+            key[rows], value[rows], key_cache, value_cache, slots[rows], cache_mode="Norm"
+        )
 
 
 def check_contiguous_rows(**tensors: torch.Tensor) -> None:

@@ -14,7 +14,9 @@ Operators, one per job:
   slot_mapping, cache_mode="Norm")``, ``kv_c`` / ``k_pe`` as ``[tokens, 1, L]`` /
   ``[tokens, 1, R]`` into ``[blocks, block_size, 1, L]`` / ``[..., 1, R]`` views of the
   planes (the op documents different key and value head sizes in this form).
-  Padding slots never reach it, as in the attention provider (``ascend.py``).
+  Padding slots never reach it, as in the attention provider (``ascend.py``), and under
+  ``"device"`` slot handling it is issued once per ``block_size`` tokens, so that no call
+  names a null-block row twice (``ascend.write_chunks``).
 - Decode (absorbed, speculative tokens too): ``npu_fused_infer_attention_score_v2.out``
   in ``TND`` layout with ``query = q_latent`` (D = 512), ``query_rope = q_rope``,
   ``key = value = kv_c`` plane and ``key_rope = k_pe`` plane as paged
@@ -113,6 +115,7 @@ from npu_attention.providers.ascend import (
     SPARSE_CAUSAL,
     SPARSE_NONE,
     check_contiguous_rows,
+    scatter_rows,
     torch_npu_module,
     written_slots,
 )
@@ -222,13 +225,13 @@ class AscendMLAProvider(MLAProvider):
         else:  # host slot handling: the written rows gathered (eager steps only)
             kv_c, k_pe = kv_c[data.written_tokens], k_pe[data.written_tokens]
         num_blocks, block_size = cache.kv_c.shape[:2]
-        torch_npu_module().npu_scatter_pa_kv_cache(
+        scatter_rows(
             kv_c.unsqueeze(1),
             k_pe.unsqueeze(1),
             cache.kv_c.view(num_blocks, block_size, 1, -1),
             cache.k_pe.view(num_blocks, block_size, 1, -1),
             data.slot_mapping,
-            cache_mode="Norm",
+            plan,
         )
 
     def decode(
