@@ -59,6 +59,27 @@ def test_plan_mla_dcp_gives_each_row_its_rank_share_up_to_its_position():
         plan_mla_dcp([2, 5], [2, 5], tables[:2], slots, 6, SPEC, DCPLayout(SIZE, 0))
 
 
+def test_plan_mla_dcp_gathers_the_rows_block_tables_into_one_tensor():
+    """A FULL graph's decode task is re-issued on the tensors of its capture: with
+    ``table_rows`` every step's plan reads its block tables from that one buffer (the
+    simulated NPU refused the new tensor ``index_select`` made each step)."""
+    tables = torch.arange(12, dtype=torch.int32).view(3, 4)
+    slots = torch.full((6,), -1, dtype=torch.int64)
+    table_rows = torch.zeros(8, 4, dtype=torch.int32)
+    layout = DCPLayout(SIZE, 0, INTERLEAVE)
+    addresses = []
+    for query_lens, seq_lens, requests in (([1, 1, 1], [5, 9, 2], [0, 1, 2]),
+                                           ([1, 1], [6, 10], [0, 1])):  # fmt: skip
+        plan = plan_mla_dcp(query_lens, seq_lens, tables[: len(query_lens)], slots, 6, SPEC,
+                            layout, table_rows=table_rows)  # fmt: skip
+        assert plan.block_tables[: len(requests)].tolist() == tables[requests].tolist()
+        addresses.append((plan.block_tables.data_ptr(), tuple(plan.block_tables.shape)))
+    assert addresses[0] == addresses[1] == (table_rows.data_ptr(), (6, 4))
+    for wrong in (torch.zeros(5, 4, dtype=torch.int32), torch.zeros(8, 4, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="table_rows must be"):
+            plan_mla_dcp([1], [5], tables[:1], slots, 6, SPEC, layout, table_rows=wrong)
+
+
 class _Rank:
     """One rank: its cache, its captured decode, its registry."""
 

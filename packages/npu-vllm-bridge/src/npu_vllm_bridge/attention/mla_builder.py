@@ -170,6 +170,9 @@ class BridgeMLAMetadataBuilder(BridgeBuilderBase[BridgeMLAMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.pcp_size = vllm_config.parallel_config.prefill_context_parallel_size
+        # Under DCP: the rows' block tables, gathered in place every step (plan_mla_dcp).
+        self.max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.dcp_table_rows: torch.Tensor | None = None
 
     def plan_step(self, cm: CommonAttentionMetadata, lengths: StepLengths) -> BridgeMLAMetadata:
         """Under PCP vLLM hands each rank a batch of its own: each chunk of a prefill is
@@ -201,16 +204,21 @@ class BridgeMLAMetadataBuilder(BridgeBuilderBase[BridgeMLAMetadata]):
     ) -> BridgeMLAMetadata:
         """Under DCP every row is a one-token absorbed decode (``plan_mla_dcp``)."""
         tokens = cm.num_actual_tokens
+        tables = cm.block_table_tensor
+        if self.dcp_table_rows is None:
+            rows = max(self.max_tokens, tokens)
+            self.dcp_table_rows = tables.new_zeros(rows, tables.shape[1])
         plan = plan_mla_dcp(
             query_lens,
             seq_lens,
-            cm.block_table_tensor[: len(query_lens)],
+            tables[: len(query_lens)],
             cm.slot_mapping[:tokens],
             tokens,
             self.spec,
             self.dcp,
             device=self.device,
             provider=self.provider,
+            table_rows=self.dcp_table_rows,
         )
         return BridgeMLAMetadata(
             plan=plan,

@@ -46,6 +46,7 @@ def plan_mla_dcp(
     *,
     device: torch.device | None = None,
     provider: str | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """One rank's plan of a step: every token a one-token decode over the rank's share.
 
@@ -58,6 +59,14 @@ def plan_mla_dcp(
         num_tokens: rows of the step, graph padding included (they see no key).
         spec: the layer group's ``MLASpec`` with this rank's heads; the plan's has the
             gathered ``N * size`` heads.
+        table_rows: ``[max_tokens, max_blocks]`` with ``block_tables``' dtype, device and
+            width: every row's block table is gathered into its first ``num_tokens`` rows,
+            so each step's plan reads the same tensor (a FULL graph's decode task is
+            re-issued on the tensors of its capture). ``None``: a new tensor each step.
+
+    Raises:
+        ValueError: more tokens than the requests hold or ``table_rows`` has rows, or a
+            ``table_rows`` of another dtype, device or width than ``block_tables``.
     """
     query = np.asarray(query_lens, dtype=np.int64)
     request = np.repeat(np.arange(len(query)), query)
@@ -77,7 +86,7 @@ def plan_mla_dcp(
     return plan_context(
         np.arange(num_tokens + 1),
         visible,
-        block_tables.index_select(0, index),
+        gather_table_rows(block_tables, index, table_rows),
         num_tokens,
         gathered,
         device=device,
@@ -85,6 +94,32 @@ def plan_mla_dcp(
         slot_mapping=slot_mapping,
         **SLOT_HANDLING,
     )
+
+
+def gather_table_rows(
+    block_tables: torch.Tensor, index: torch.Tensor, table_rows: torch.Tensor | None
+) -> torch.Tensor:
+    """``block_tables[index]``, written into the first ``len(index)`` rows of
+    ``table_rows`` when given (see ``plan_mla_dcp``)."""
+    if table_rows is None:
+        return block_tables.index_select(0, index)
+    rows = index.shape[0]
+    fits = (
+        table_rows.dtype == block_tables.dtype
+        and table_rows.device == block_tables.device
+        and table_rows.dim() == 2
+        and table_rows.shape[1] == block_tables.shape[1]
+        and table_rows.shape[0] >= rows
+    )
+    if not fits:
+        raise ValueError(
+            f"table_rows must be at least [{rows}, {block_tables.shape[1]}] "
+            f"{block_tables.dtype} on {block_tables.device}, got "
+            f"{list(table_rows.shape)} {table_rows.dtype} on {table_rows.device}"
+        )
+    out = table_rows[:rows]
+    torch.index_select(block_tables, 0, index, out=out)
+    return out
 
 
 class BridgeMLADCP:
