@@ -7,7 +7,9 @@ leaves vLLM on its own CPU platform (CPU_ATTN).
     python engine_runner.py SPEC.json
 
 SPEC: {"model": path, "engine": {LLM kwargs} (or "engines": [{LLM kwargs}, ...], run one
-after the other in this process), "rounds": [[{"prompt": [ids],
+after the other in this process; an engine's own "model" replaces the spec's, and its
+"probe", a module of this folder, is installed before it starts and read after its rounds
+into the result's "probe"), "rounds": [[{"prompt": [ids],
 "max_tokens": n, "stop_token_ids": [ids] (optional: without it, exactly max_tokens
 tokens)}, ...], ...], "host_platform": {BridgeSettings field: value}}. Each round is one ``generate`` call; later rounds
 reuse the prefix cache of earlier ones. Output line: ``RESULT {"tokens": [[...]
@@ -97,11 +99,21 @@ def main() -> None:
 
 def _run_engine(spec: dict, engine: dict, bridge: bool, states: Counter) -> tuple[dict, object]:
     """One engine's rounds: (result, the LLM, or None when it refused to start)."""
+    import importlib
+
     from vllm import LLM, SamplingParams
 
+    engine = dict(engine)
+    model = engine.pop("model", spec["model"])
+    probe = engine.pop("probe", None)
+    probe = probe and importlib.import_module(probe)
+    if probe:
+        probe.install()
     try:
-        llm = LLM(model=spec["model"], skip_tokenizer_init=True, **engine)
+        llm = LLM(model=model, skip_tokenizer_init=True, **engine)
     except Exception as exc:  # the refusal under test
+        if probe:
+            probe.collect()
         return {"error": f"{type(exc).__name__}: {exc}"}, None
     tokens, cached = [], []
     for round_ in spec["rounds"]:
@@ -119,6 +131,8 @@ def _run_engine(spec: dict, engine: dict, bridge: bool, states: Counter) -> tupl
         tokens.append([list(o.outputs[0].token_ids) for o in outputs])
         cached.append([o.num_cached_tokens or 0 for o in outputs])
     result = {"tokens": tokens, "cached_tokens": cached, "states": dict(states)}
+    if probe:
+        result["probe"] = probe.collect()
     result["omp_threads_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     result["num_layers"] = layers

@@ -10,13 +10,22 @@ hit) eagerly and with FULL_DECODE_ONLY host graphs, in one process each:
 * against the 16-bit cache (``auto``), the tokens agree, position by position, at least
   as often as ``MIN_AGREEMENT`` says for the kind (the quantization error changes some
   greedy choices of these random models, and an answer that changes once goes its own
-  way; measured figures beside it). ``fp8`` runs with vLLM's default scale 1.0.
+  way; measured figures beside it).
+
+The GQA ``fp8`` engines load the same weights from a checkpoint that carries per-tensor
+k/v scales as llm-compressor writes them (``kv_scale_checkpoints.py``): the rows the
+bridge writes into the 8-bit pages must dequantize, with the checkpoint's scales, to
+the K and V the layer handed it (``kv_scale_probe.py`` reads them back in the engine).
+The MLA ``fp8`` engines run at vLLM's default scale 1.0: neither vLLM 0.32 nor 0.33
+loads a checkpoint scale into an MLA layer.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from engines import run_engines
+from kv_scale_checkpoints import write_kv_scaled_checkpoint
 from mla_checkpoints import write_mla_checkpoint
 from test_mla import ENGINE as MLA_ENGINE
 from test_mla import ROUNDS as MLA_ROUNDS
@@ -25,8 +34,13 @@ GQA_KINDS = ("int8_per_token_head", "fp8_per_token_head", "fp8")
 ENGINE_GQA = dict(MLA_ENGINE)  # block size 16, a 32-token budget (chunked prefill)
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}
 ROUNDS = MLA_ROUNDS  # three prompts of 9-70 tokens, then a prefix hit of 64 tokens
+# Per-tensor scales of each layer in the fp8 engines' checkpoint (as a calibration would
+# give: no |K| / k_scale or |V| / v_scale of these prompts reaches e4m3's 448).
+K_SCALES, V_SCALES = [0.05, 0.06], [0.04, 0.03]
+E4M3_MAX = 448.0
 # Token agreement with the 16-bit cache, position by position: at least this (measured
-# here: int8 per token and head 1.0, fp8 per token and head 0.79, fp8 0.54, MLA fp8 0.63).
+# here: int8 per token and head 1.0, fp8 per token and head 0.79, fp8 with the
+# checkpoint's scales FP8_MEASURED, MLA fp8 0.63).
 MIN_AGREEMENT = {
     "int8_per_token_head": 0.8,
     "fp8_per_token_head": 0.5,
@@ -54,12 +68,36 @@ def _check_graphs(eager: dict, graphs: dict, kind: str) -> None:
     assert graphs["cached_tokens"][1][0] >= 64, graphs["cached_tokens"]
 
 
+def _check_checkpoint_scales(probe: dict) -> None:
+    """Each layer's first written rows, dequantized with the checkpoint's scales, give
+    the layer's K and V within e4m3's rounding (round to nearest: half a step, 2^-4 of
+    the value for normal numbers, 2^-10 times the scale for subnormal ones). Rows
+    written with vLLM's default 1.0 instead miss by the scale's factor."""
+    assert sorted(probe) == [f"model.layers.{i}.self_attn.attn" for i in range(2)], list(probe)
+    for index, scales in enumerate(zip(K_SCALES, V_SCALES)):
+        rows = probe[f"model.layers.{index}.self_attn.attn"]
+        for side, scale in zip(("key", "value"), scales):
+            given, stored = torch.tensor(rows[side]), torch.tensor(rows[f"stored_{side}"])
+            assert given.shape == stored.shape and given.shape[0] > 0, (given.shape, stored.shape)
+            assert stored.abs().max() < E4M3_MAX, f"layer {index} {side}: saturated"
+            error = (stored * scale - given).abs()
+            bound = (2**-4 * given.abs() + 2**-10 * scale) * 1.001
+            worst = (error / bound).max().item()
+            assert worst <= 1.0, f"layer {index} {side}: error {worst:.2f} of e4m3's rounding"
+
+
 def test_gqa_kinds_eager_and_graphs(checkpoints, tmp_path):
-    """Tiny Llama, float32 model (8-bit pages of 32-bit rows: a quarter of the bytes)."""
+    """Tiny Llama, float32 model (8-bit pages of 32-bit rows: a quarter of the bytes);
+    ``fp8`` with the k/v scales of its checkpoint."""
+    scaled = write_kv_scaled_checkpoint(
+        checkpoints["llama"], tmp_path / "llama-kv-scales", K_SCALES, V_SCALES
+    )
     engines = [dict(ENGINE_GQA, enforce_eager=True)]
     for kind in GQA_KINDS:
-        engines.append(dict(ENGINE_GQA, kv_cache_dtype=kind, enforce_eager=True))
-        engines.append(dict(ENGINE_GQA, kv_cache_dtype=kind, compilation_config=GRAPHS))
+        loads = {"model": str(scaled)} if kind == "fp8" else {}
+        probe = {"probe": "kv_scale_probe"} if kind == "fp8" else {}
+        engines.append(dict(ENGINE_GQA, kv_cache_dtype=kind, enforce_eager=True, **loads, **probe))
+        engines.append(dict(ENGINE_GQA, kv_cache_dtype=kind, compilation_config=GRAPHS, **loads))
     runs = run_engines(checkpoints["llama"], ROUNDS, engines, bridge=True, tmp_path=tmp_path)
     auto = runs[0]
     assert auto.get("platform") == "HostPlatform", auto.get("error", auto)
@@ -68,6 +106,7 @@ def test_gqa_kinds_eager_and_graphs(checkpoints, tmp_path):
         eager, graphs = runs[1 + 2 * index], runs[2 + 2 * index]
         _check_graphs(eager, graphs, kind)
         agreements[kind] = _agreement(eager["tokens"], auto["tokens"])
+    _check_checkpoint_scales(runs[1 + 2 * GQA_KINDS.index("fp8")]["probe"])
     print(f"token agreement with auto: {agreements}")
     assert all(agreements[k] >= MIN_AGREEMENT[k] for k in GQA_KINDS), agreements
 
