@@ -18,11 +18,16 @@ products with asynchronous warpgroup MMAs (``wgmma``) from shared memory:
   sums stay within the warpgroup, with no exchange across warpgroups. It hands ``P``
   and the rescale factors to the second warpgroup through shared memory (one
   handover a tile, on a pair of barriers) and accumulates output columns
-  ``[0, 256)`` with ``P`` from registers, that tile's ``P @ V`` issued before the
-  next tile's scores, so that the stage goes back to the loader as soon as both
-  halves are done and the next fetch has a whole tile's work to arrive in;
-- the second warpgroup accumulates columns ``[256, 512)`` with ``P`` from shared
+  ``[256, 512)`` with ``P`` from registers;
+- the second warpgroup accumulates columns ``[0, 256)`` with ``P`` from shared
   memory (128 float32 registers a thread in each);
+- the order on the tensor cores: the previous tile's ``P`` is handed over first, so
+  that the second warpgroup's half of ``P @ V`` runs first and gives the stage's left
+  four chunks back to the loader; then this tile's scores; then the first
+  warpgroup's half, which runs during this tile's softmax and gives the right four
+  chunks and the rope back (each half of a stage on its own barrier), so that the
+  tensor cores have work during the softmax and the next fetch starts on the chunks
+  that the next scores read first;
 - a request's keys are split over programs to fill the multiprocessors, and the merge
   kernel of ``mla_decode.py`` combines the splits by their log-sum-exps.
 
@@ -335,7 +340,7 @@ if HAVE_GLUON:
         qk_scale, shape: DecodeShape,
     ):  # fmt: skip
         """The first warpgroup: every tile's scores and softmax, ``P`` and the rescale
-        handed to the second warpgroup, and output columns ``[0, 256)``."""
+        handed to the second warpgroup, and output columns ``[256, 512)``."""
         ready, empty, p_ready, p_free = bars
         RING: gl.constexpr = kv_smem.type.shape[0]
         TILE: gl.constexpr = kv_smem.type.shape[1]
@@ -368,7 +373,6 @@ if HAVE_GLUON:
             s = warpgroup_mma_wait(0, deps=(s, q_smem, qr_smem, kv, pe_smem.index(0)))[0]
             p, alpha, m_i, l_i = _tile_softmax(s, m_i, l_i, lo, row_end, num_full == 0, qk_scale)
             p16 = p.to(kv_smem.dtype)
-            _hand_over(p16, alpha, p_smem, row_smem, p_ready, p_free, 0)
             p_op = gl.convert_layout(p16, p_layout)
             for j in range(1, num_tiles):
                 stage = j % RING
@@ -376,33 +380,36 @@ if HAVE_GLUON:
                 first = lo + j * TILE
                 phase = (j // RING) & 1
                 kv = kv_smem.index(stage)
-                # The previous tile's left half of P @ V before this tile's scores: its
-                # stage goes back to the loader as soon as it is done (the second
-                # warpgroup's half was issued at the handover).
-                o_tok = warpgroup_mma(p_op, kv_smem.index(prev).slice(0, HALF, dim=1), o,
-                                      is_async=True)  # fmt: skip
+                # The previous tile's P to the second warpgroup, whose left half of
+                # P @ V goes first on the tensor cores and frees the stage's left
+                # chunks; then this tile's scores, then the right half, which runs
+                # during this tile's softmax.
+                _hand_over(p16, alpha, p_smem, row_smem, p_ready, p_free, j - 1)
                 if first + TILE > hi:
                     _wait_tile(ready, stage * NBARS, phase, NBARS)
                     clear_keys_past(kv, first, hi)
                 s_tok = _scores(q_smem, qr_smem, kv, pe_smem.index(stage), zero_s, ready,
                                 stage * NBARS, phase)  # fmt: skip
-                o = warpgroup_mma_wait(NBARS, deps=(o_tok, p_op, kv_smem.index(prev)))[0]
-                mbarrier.arrive(empty.index(prev), count=1)
-                s = warpgroup_mma_wait(0, deps=(s_tok, kv, pe_smem.index(stage)))[0]
+                o_tok = warpgroup_mma(p_op, kv_smem.index(prev).slice(HALF, HALF, dim=1), o,
+                                      is_async=True)  # fmt: skip
+                s = warpgroup_mma_wait(1, deps=(s_tok, kv, pe_smem.index(stage)))[0]
                 p, alpha, m_i, l_i = _tile_softmax(s, m_i, l_i, first, row_end, j >= num_full,
                                                    qk_scale)  # fmt: skip
-                p16 = p.to(kv_smem.dtype)
-                _hand_over(p16, alpha, p_smem, row_smem, p_ready, p_free, j)
+                o = warpgroup_mma_wait(0, deps=(o_tok, p_op, kv_smem.index(prev)))[0]
+                mbarrier.arrive(empty.index(2 * prev + 1), count=1)
                 o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                p16 = p.to(kv_smem.dtype)
                 p_op = gl.convert_layout(p16, p_layout)
             last = (num_tiles - 1) % RING
-            o = warpgroup_mma(p_op, kv_smem.index(last).slice(0, HALF, dim=1), o, is_async=True)
+            _hand_over(p16, alpha, p_smem, row_smem, p_ready, p_free, num_tiles - 1)
+            o = warpgroup_mma(p_op, kv_smem.index(last).slice(HALF, HALF, dim=1), o,
+                              is_async=True)  # fmt: skip
             o = warpgroup_mma_wait(0, deps=(o, p_op, kv_smem.index(last)))[0]
-            mbarrier.arrive(empty.index(last), count=1)
+            mbarrier.arrive(empty.index(2 * last + 1), count=1)
         _hand_over(None, l_i, p_smem, row_smem, p_ready, p_free, num_tiles)  # the row sums
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        _store_half(o, l_o, 0, out_ptr, partial_out_ptr, q_start, q_len, stride_ot, stride_oh,
-                    shape)  # fmt: skip
+        _store_half(o, l_o, HALF, out_ptr, partial_out_ptr, q_start, q_len, stride_ot,
+                    stride_oh, shape)  # fmt: skip
         _store_lse(m_i, l_i, partial_lse_ptr, lse_ptr, q_start, q_len, stride_lt, stride_lh,
                    shape)  # fmt: skip
 
@@ -411,7 +418,7 @@ if HAVE_GLUON:
         kv_smem, p_smem, row_smem, bars, out_ptr, partial_out_ptr, cu_seqlens_q_ptr,
         seq_lens_ptr, stride_ot, stride_oh, shape: DecodeShape,
     ):  # fmt: skip
-        """The second warpgroup: output columns ``[256, 512)``, each tile's ``P`` and
+        """The second warpgroup: output columns ``[0, 256)``, each tile's ``P`` and
         rescale taken from the first warpgroup."""
         _, empty, p_ready, p_free = bars
         RING: gl.constexpr = kv_smem.type.shape[0]
@@ -426,15 +433,15 @@ if HAVE_GLUON:
             stage = j % RING
             mbarrier.wait(p_ready, j & 1)
             o = o * row_smem.load(row_layout)[:, None]
-            v = kv_smem.index(stage).slice(HALF, HALF, dim=1)
+            v = kv_smem.index(stage).slice(0, HALF, dim=1)
             o = warpgroup_mma(p_smem, v, o, is_async=True)
             o = warpgroup_mma_wait(0, deps=(o, p_smem, v))[0]
             mbarrier.arrive(p_free, count=1)
-            mbarrier.arrive(empty.index(stage), count=1)
+            mbarrier.arrive(empty.index(2 * stage), count=1)
         mbarrier.wait(p_ready, num_tiles & 1)
         l_o = row_smem.load(row_layout)
-        _store_half(o, l_o, HALF, out_ptr, partial_out_ptr, q_start, q_len, stride_ot,
-                    stride_oh, shape)  # fmt: skip
+        _store_half(o, l_o, 0, out_ptr, partial_out_ptr, q_start, q_len, stride_ot, stride_oh,
+                    shape)  # fmt: skip
 
     @gluon.jit
     def _store_half(
@@ -482,7 +489,9 @@ if HAVE_GLUON:
     ):  # fmt: skip
         """One warp: each tile's 64-column chunks of latent rows, then its rope rows,
         into the ring, each chunk on its own barrier (a piece past the request's keys
-        an arrival without bytes); the consumers free a stage on ``empty``."""
+        an arrival without bytes); the second warpgroup frees a stage's left four
+        chunks on ``empty[2 * stage]``, the first its right four and the rope on
+        ``empty[2 * stage + 1]``."""
         RING: gl.constexpr = kv_smem.type.shape[0]
         TILE: gl.constexpr = kv_smem.type.shape[1]
         WIDTH: gl.constexpr = kv_smem.type.shape[2]
@@ -502,8 +511,9 @@ if HAVE_GLUON:
             first = lo + j * TILE
             upcoming = tile_pages(row, table_width, first + TILE, hi, offs, PAGE_ROWS, BS)
             stage = j % RING
-            mbarrier.wait(empty.index(stage), ((j // RING) & 1) ^ 1)  # fresh: counts as freed
             for c in gl.static_range(NCH + 1):
+                if c % (NCH // 2) == 0 and c < NCH:  # fresh barriers count as freed
+                    mbarrier.wait(empty.index(2 * stage + c // (NCH // 2)), ((j // RING) & 1) ^ 1)
                 bar = ready.index(stage * (NCH + 1) + c)
                 for i in gl.static_range(PIECES):
                     key = first + i * PAGE_ROWS
@@ -548,12 +558,12 @@ if HAVE_GLUON:
             gl.float32, [TILE_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         )
         ready = gl.allocate_shared_memory(gl.int64, [RING * NBARS, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2 * RING, 1], mbarrier.MBarrierLayout())
         flags = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(RING * NBARS):
             mbarrier.init(ready.index(i), count=PIECES)  # one arrival a piece
-        for i in gl.static_range(RING):
-            mbarrier.init(empty.index(i), count=2)  # one arrival a warpgroup
+        for i in gl.static_range(2 * RING):
+            mbarrier.init(empty.index(i), count=1)  # a stage's left / right columns
         mbarrier.init(flags.index(0), count=1)  # P and the rescale written
         mbarrier.init(flags.index(1), count=1)  # ... and read
         bars = (ready, empty, flags.index(0), flags.index(1))
