@@ -21,7 +21,8 @@ HCCL collective), which each replay runs again.
   all-gathers and reduce-scatters run through the NPU communicator, in graphs too, and no
   step that replays a graph synchronizes.
 - By hand (``NPU_SIM_BY_HAND=1``; minutes each on 2 cores, see the README): TP=2 on the
-  tiny Llama, MLA with DCP=2 (TP=2) on a tiny DeepSeek-shaped model, both FULL_DECODE_ONLY.
+  tiny Llama (FULL_DECODE_ONLY); MLA with DCP=2 (TP=2) on a tiny DeepSeek-shaped model,
+  V1 and V2, eager and FULL_DECODE_ONLY.
 """
 
 from __future__ import annotations
@@ -98,14 +99,15 @@ def test_npu_communicator_collectives_replay_in_a_simulated_graph(torch_npu_api)
 
 # -- engine runs -------------------------------------------------------------------
 def run_parallel(
-    model: Path, prompts: list[list[int]], max_tokens: int, tmp_path: Path, args: list[str]
-) -> tuple[int, list[list[int]] | None, dict | None, str]:
+    model: Path, prompts: list[list[int]], max_tokens: int, tmp_path: Path, args: list[str],
+    runner: str = "v1",
+) -> tuple[int, list[list[int]] | None, dict | None, str]:  # fmt: skip
     """One ``npu_sim.py`` run in float16 (its own process group, stopped by id if it
     outlives ``TIMEOUT_S``): (exit status, tokens, NPU report, output)."""
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     command = [
-        sys.executable, str(RUNNER), "--model", str(model), "--runner", "v1",
+        sys.executable, str(RUNNER), "--model", str(model), "--runner", runner,
         "--dtype", "float16", "--prompts", str(prompts_file), "--max-tokens", str(max_tokens),
         "--kv-cache-bytes", str(64 * 2**20), *args,
     ]  # fmt: skip
@@ -219,18 +221,46 @@ ASCEND_MLA_SHAPE = dict(
 @BY_HAND
 @pytest.mark.npu_sim
 @pytest.mark.slow
-def test_mla_with_dcp2_on_the_simulated_npu(tmp_path_factory, tmp_path):
-    """A tiny DeepSeek-shaped MLA model (``mla_checkpoints.py``) on TP=2 with DCP=2,
-    FULL_DECODE_ONLY graphs, float16: transformers' tokens; each rank's decode tasks
-    (ATB's MLA with its LSE) are updated and replayed."""
+@pytest.mark.parametrize(
+    ("runner", "mode"),
+    [("v1", "FULL_DECODE_ONLY"), ("v1", "eager"), ("v2", "FULL_DECODE_ONLY"), ("v2", "eager")],
+)
+def test_mla_with_dcp2_on_the_simulated_npu(tmp_path_factory, tmp_path, runner, mode):
+    """A tiny DeepSeek-shaped MLA model (``mla_checkpoints.py``) on TP=2 with DCP=2 in
+    float16, the engine tests' eight prompts (5 to 300 tokens, up to three blocks), a
+    256-token step budget (chunked prefill; steps of more than 128 tokens, of which each
+    rank writes about half and sends the rest to the null block, more padding rows than
+    it has), decode batches of 1 to 8, a two-block prefix-cache hit; eager and
+    FULL_DECODE_ONLY graphs of 1 to 8 tokens: transformers' tokens. Every row is an
+    absorbed decode over the rank's share of the latents (ATB's MLA with its LSE), the
+    ranks' parts merged by LSE; in graphs each rank's decode tasks are updated and
+    replayed with no synchronize in a replayed step."""
     from mla_checkpoints import write_mla_checkpoint
+    from test_npu_sim_engine import MAX_TOKENS, PROMPTS, SHARED_PREFIX, check_graph_counters
 
     model = write_mla_checkpoint(tmp_path_factory.mktemp("sim") / "mla", **ASCEND_MLA_SHAPE)
-    args = [
-        *GRAPH_ARGS, "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
-        "--max-model-len", "512",
-    ]  # fmt: skip
-    status, tokens, report, output = run_parallel(model, SHORT_PROMPTS, 8, tmp_path, args)
+    sizes = [] if mode == "eager" else ["--capture-sizes", *MLA_CAPTURE_SIZES]
+    args = ["--mode", mode, *sizes, *MLA_DCP_ARGS]
+    status, tokens, report, output = run_parallel(
+        model, PROMPTS, MAX_TOKENS, tmp_path, args, runner=runner
+    )
     assert status == 0, output[-4000:]
-    assert_transformers_argmax(model, SHORT_PROMPTS, tokens, 8)
-    check_ranks_replayed(report, ranks=2)
+    assert_transformers_argmax(model, PROMPTS, tokens, MAX_TOKENS)
+    assert len(report["ranks"]) == 2, report["ranks"]
+    counters = ("graphs_captured", "replays", "task_updates", "synchronizes", "torch_npu_calls")
+    print(runner, mode, [{k: rank[k] for k in counters} for rank in report["ranks"]])
+    for rank in report["ranks"]:
+        check_graph_counters(rank, mode)
+        calls = rank["torch_npu_calls"]
+        assert any(name.startswith("atb.npu_multi_head_latent_attention") for name in calls)
+        assert calls.get("npu_scatter_pa_kv_cache", 0) > 0, calls
+    assert report["cached_tokens"][6] >= SHARED_PREFIX, report["cached_tokens"]
+    runner_class = "HostModelRunner" if runner == "v1" else "HostModelRunnerV2"
+    assert report["model_runner"] == runner_class, report["model_runner"]
+
+
+MLA_CAPTURE_SIZES = ["1", "2", "4", "8"]
+MLA_DCP_ARGS = [
+    "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
+    "--max-num-seqs", "8", "--max-model-len", "512", "--max-num-batched-tokens", "256",
+]  # fmt: skip
