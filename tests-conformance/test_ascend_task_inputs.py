@@ -177,13 +177,14 @@ def test_device_slot_handling_writes_padding_into_the_null_block(stand_in, host_
     torch.testing.assert_close(key_cache[null, real : real + 2], batch.key[real : real + 2])
 
 
-def _other_rank_slots(table: torch.Tensor, tokens: int, block: int) -> torch.Tensor:
-    """Slots of one prefill of ``tokens`` tokens as decode context parallelism gives rank
-    0 of 2: even positions are this rank's (local position ``p // 2``), odd ones another
-    rank's (``-1``), so more than ``block`` tokens of the step have slot ``-1``."""
+def _other_rank_slots(table: torch.Tensor, tokens: int, block: int, rank: int = 0) -> torch.Tensor:
+    """Slots of one prefill of ``tokens`` tokens as decode context parallelism gives
+    ``rank`` of 2: positions ``p`` with ``p % 2 == rank`` are this rank's (local position
+    ``p // 2``), the others another rank's (``-1``), so more than ``block`` tokens of the
+    step have slot ``-1``."""
     local = torch.arange(tokens) // 2
     slots = table[0, local // block].long() * block + local % block
-    return torch.where(torch.arange(tokens) % 2 == 0, slots, -1)
+    return torch.where(torch.arange(tokens) % 2 == rank, slots, -1)
 
 
 PADDED_TOKENS = 300  # 150 padding slots: more than the null block's 128 rows
@@ -224,6 +225,55 @@ def test_device_slot_handling_gives_each_padding_token_of_a_call_its_own_row(
     assert torch.equal(written[~padding], slots[~padding])
     for expected, actual in zip(caches["reference"], caches[host_ascend]):
         assert torch.equal(actual[1:], expected[1:])
+
+
+def test_a_write_of_several_calls_is_one_task_a_graph_update_reissues(
+    stand_in, host_ascend
+) -> None:
+    """A captured write of more padding tokens than the null block has rows (a FULL graph
+    over 128 tokens): the task group holds its three scatter calls, a task update
+    re-issues the three on the tensors of the capture (the runner rewrites its slot
+    buffer in place), and the replay writes the new step's rows where the reference
+    provider does."""
+    npu, spec = stand_in.npu, DECODE.spec
+    block, shape = spec.block_size, (PADDED_TOKENS, spec.num_kv_heads, spec.head_size)
+    table = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    slots = torch.empty(PADDED_TOKENS, dtype=torch.int64)  # the runner's slot buffer
+    key, value = torch.zeros(shape, dtype=spec.dtype), torch.zeros(shape, dtype=spec.dtype)
+    caches = [torch.zeros(4, block, *shape[1:], dtype=spec.dtype) for _ in range(2)]
+
+    def step(rank: int, provider: str = host_ascend):
+        slots.copy_(_other_rank_slots(table, PADDED_TOKENS, block, rank))
+        return plan([0, PADDED_TOKENS], [PADDED_TOKENS], table, slots, 0, spec,
+                    provider=provider, slot_handling="device", null_block=0)  # fmt: skip
+
+    graph, event = npu.NPUGraph(), npu.ExternalEvent()
+    first = step(0)
+    with npu.graph(graph, stream=npu.Stream()):
+        stream = npu.current_stream()
+        event.wait(stream)
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        first.provider.write_kv(key, value, *caches, first)
+        handle = npu.graph_task_group_end(stream)
+    generator = torch.Generator().manual_seed(5)
+    key.copy_(torch.randn(shape, generator=generator))
+    value.copy_(torch.randn(shape, generator=generator))
+    second, update_stream = step(1), npu.Stream()
+    with npu.stream(update_stream):
+        npu.graph_task_update_begin(update_stream, handle)
+        second.provider.write_kv(key, value, *caches, second)
+        npu.graph_task_update_end(update_stream)
+        event.record(update_stream)
+    graph.replay()
+    calls = stand_in.log.of(SCATTER)
+    assert [call.arguments["key"].shape[0] for call in calls] == [128, 128, 44] * 2  # captured, re-issued
+    expected = [torch.zeros_like(cache) for cache in caches]
+    reference = step(1, "reference")
+    reference.provider.write_kv(key, value, *expected, reference)
+    for actual, wanted in zip(caches, expected):
+        assert torch.equal(actual[1:], wanted[1:])
+        assert actual[1:].any()
 
 
 def test_mla_device_slot_handling_gives_each_padding_token_of_a_call_its_own_row(
