@@ -8,6 +8,9 @@ before and after the forward).
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 
 from npu_graphs.backends.host import HostGraphBackend
@@ -52,3 +55,24 @@ def test_graphs_of_every_size_hold_at_most_one_and_a_half_eager_peaks() -> None:
     held = own + pool
     assert own == 0, own  # nothing lives across replays but inputs and weights
     assert 0.5 * peak <= held <= 1.5 * peak, (held, peak)
+
+
+def test_a_graph_keeps_no_output_of_its_capture_once_the_caller_drops_it() -> None:
+    """Replays return their own outputs, so the capture's are the caller's alone: a
+    graph that kept them would hold a batch of activations per captured size."""
+    backend = HostGraphBackend()
+    model = _model()
+    x = torch.randn(64, HIDDEN)
+    with torch.no_grad():
+        graph = backend.new_graph()
+        with backend.capture(graph):
+            out = model(x)
+        backend.finish_capture(graph, {"hidden": out, "again": [out]})
+        captured = weakref.ref(out)
+        del out
+        gc.collect()
+        assert captured() is None, "the graph still holds its capture's output"
+        replayed = backend.replay(graph)
+        expected = model(x)
+    torch.testing.assert_close(replayed["hidden"], expected)
+    torch.testing.assert_close(replayed["again"][0], expected)

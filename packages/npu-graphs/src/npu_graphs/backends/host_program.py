@@ -409,14 +409,15 @@ class _OutputTemplate:
     """The capture's outputs with replay-local tensors as slots; ``build`` fills them."""
 
     def __init__(self, outputs: Any, template: Callable[[Any], Any]) -> None:
-        self.leaves, self.spec = tree_flatten(outputs)
-        self.items = [template(leaf) for leaf in self.leaves]
+        leaves, self.spec = tree_flatten(outputs)
+        # Not the leaves themselves: a replay-local output of the capture would stay alive.
+        self.items = [template(leaf) for leaf in leaves]
         self.slots = [item.index for item in self.items if type(item) is Slot]
         self.trivial = not self.slots
 
     def build(self, env: list) -> Any:
         if self.trivial:
-            return tree_unflatten(self.leaves, self.spec)
+            return tree_unflatten(self.items, self.spec)
         return tree_unflatten([_resolve(item, env) for item in self.items], self.spec)
 
 
