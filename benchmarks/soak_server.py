@@ -11,6 +11,13 @@ compilation or eager flag (torch.compile on, FULL_AND_PIECEWISE graphs, vLLM's d
 (``--kv-cache-memory-bytes``), smaller than the load needs, so that requests are
 preempted.
 
+Host mode captures each graph at the first step that needs it, and each capture costs
+the worker resident memory. Before the measurement the script primes every graph the
+load can reach (``prime``): one prefill of exactly ``s`` tokens for each capture size
+``s`` the server logged (a PIECEWISE step of that size), then ``--clients`` concurrent
+decodes that finish one by one (FULL decode steps up to that batch), recording the
+worker's anonymous RSS after each. The load, and ``--warmup``, start after it.
+
 ``--clients`` threads send requests until ``--duration`` seconds or ``--max-requests``
 requests have passed, each drawn at random (``--seed``) from:
 
@@ -44,8 +51,8 @@ memory the allocator keeps. Loopback only; it stops by itself.
 
     python benchmarks/soak_server.py --duration 1200
 
-Prints a table (the samples at start, after ``--warmup`` seconds of load, and at the
-end; requests by kind and status; probes) and writes
+Prints a table (the samples at start, after priming and ``--warmup`` seconds of load,
+and at the end; the priming steps; requests by kind and status; probes) and writes
 ``benchmarks/results/soak_server.json``. Exits 1 on a 5xx answer, a failed connection,
 a good request that failed, a bad one that did not get a 4xx, or a changed probe.
 """
@@ -224,6 +231,72 @@ def one_request(
         return status, status == 200
     status, _ = bad_request(client, rng, max_model_len)
     return status, 400 <= status < 500
+
+
+# --- priming: every graph the load can reach, before the measurement ------------------
+
+
+def capture_sizes(log: Path) -> list[int]:
+    """The batch sizes vLLM captures graphs for, as the server logged its config."""
+    marker = "cudagraph_capture_sizes': ["
+    found: list[int] = []
+    for after in log.read_text(errors="replace").split(marker)[1:]:
+        listed = after.split("]", 1)[0]
+        found = [int(x) for x in listed.split(",") if x.strip()] or found
+    if not found:
+        raise RuntimeError(f"no cudagraph_capture_sizes in {log}")
+    return found
+
+
+def worker_pid(process) -> int:
+    """The server process that runs the model: vLLM's worker, else its engine core."""
+    labels = tree_labels(process)
+    for wanted in ("Worker", "EngineCore"):
+        for pid, name in labels.items():
+            if wanted in name:
+                return pid
+    raise RuntimeError(f"no worker among the server's processes {sorted(labels.values())}")
+
+
+def rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(p[1]) * 1024 for p in map(str.split, status) if p[0] == "RssAnon:")
+
+
+def prime(client: Client, sizes: list[int], pid: int, counters_dir: Path, clients: int) -> list:
+    """Run every graph the load can reach once, so that host mode (graphs captured at
+    first use) has captured them before the measurement: one prefill of exactly ``s``
+    tokens (a PIECEWISE step of size ``s``) for each capture size ``s`` above 1, then
+    ``clients`` concurrent decodes that finish one by one (FULL decode steps of every
+    size up to ``clients``). Returns, after each, the worker's anonymous RSS and the
+    graphs captured so far."""
+    rng = random.Random(1)
+    steps = []
+
+    def record(label) -> None:
+        steps.append({"size": label, "rss_anon": rss_anon(pid), **graph_counters(counters_dir)})
+
+    record("start")
+    for size in (s for s in sizes if s > 1):
+        prompt = [rng.choice(VOCAB) for _ in range(size)]
+        body = {"model": client.model, "prompt": prompt, "max_tokens": 1, "ignore_eos": True}
+        status, reply = client.post("/v1/completions", body)
+        if status != 200:
+            raise RuntimeError(f"priming prefill of {size} got HTTP {status}: {reply[:300]!r}")
+        record(size)
+
+    def decode(i: int) -> None:
+        status, reply = client.post("/v1/chat/completions", client.load_chat("Hi", 8 * (i + 1)))
+        if status != 200:
+            raise RuntimeError(f"priming decode got HTTP {status}: {reply[:300]!r}")
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    record(f"decode 1-{clients}")
+    return steps
 
 
 # --- load, probes, samples -------------------------------------------------------------
@@ -454,6 +527,10 @@ def run(args: argparse.Namespace) -> dict:
         )
         watcher.start()
         try:
+            primed = prime(
+                client, capture_sizes(log), worker_pid(process), counters_dir, args.clients
+            )
+            primed_at = round(time.monotonic() - started, 1)
             baseline = probe(client)
             load = Load(deadline=time.monotonic() + args.duration, max_requests=args.max_requests)
             threads = [
@@ -469,7 +546,8 @@ def run(args: argparse.Namespace) -> dict:
             stop.set()
             watcher.join()
         samples.append(sample(port, process, counters_dir, started))
-    return summarize(args, start_seconds, kv_bytes, baseline, rounds, load, samples)
+    result = summarize(args, start_seconds, kv_bytes, baseline, rounds, load, samples, primed_at)
+    return {**result, "primed": primed, "primed_at": primed_at}
 
 
 def drive(load: Load, client: Client, baseline: list, every: float) -> list[dict]:
@@ -491,7 +569,9 @@ def drive(load: Load, client: Client, baseline: list, every: float) -> list[dict
     return rounds
 
 
-def summarize(args, start_seconds, kv_bytes, baseline, rounds, load: Load, samples) -> dict:
+def summarize(
+    args, start_seconds, kv_bytes, baseline, rounds, load: Load, samples, primed_at
+) -> dict:
     outcomes = load.outcomes
     by_kind: dict[str, Counter] = {}
     for o in outcomes:
@@ -499,7 +579,7 @@ def summarize(args, start_seconds, kv_bytes, baseline, rounds, load: Load, sampl
     server_errors = sum(1 for o in outcomes if isinstance(o.status, int) and o.status >= 500)
     failed = [o for o in outcomes if not o.ok]
     good = [s for s in samples if "rss" in s]
-    warm = next((s for s in good if s["t"] >= args.warmup), good[-1])
+    warm = next((s for s in good if s["t"] >= primed_at + args.warmup), good[-1])
     return {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "server_start_seconds": round(start_seconds, 1),
@@ -562,6 +642,23 @@ def report(result: dict) -> None:
     print(f"probe rounds {len(rounds)}, all equal to the first: {result['probes_unchanged']}")
 
 
+def priming(result: dict) -> None:
+    """The worker's anonymous RSS and graphs after each priming request."""
+    steps = result.get("primed")
+    if not steps:
+        return
+    mib = 2**20
+    print(f"priming (done at {result['primed_at']} s): size, graphs, worker anon RSS (MiB, +step)")
+    before = steps[0]["rss_anon"]
+    for step in steps:
+        grown = (step["rss_anon"] - before) / mib
+        before = step["rss_anon"]
+        print(
+            f"  {step['size']!s:>10} {step.get('captured', '-')!s:>5} "
+            f"{step['rss_anon'] / mib:7.0f} {grown:+6.0f}"
+        )
+
+
 def timeline(result: dict, every: float = 120) -> None:
     """One sample each ``every`` seconds: the tree's RSS, the worker's anonymous RSS and
     glibc heap (in use / free but kept), Python blocks, KV use, queue and preemptions."""
@@ -593,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args)
         args.output.write_text(json.dumps(result, indent=1))
     report(result)
+    priming(result)
     timeline(result)
     print(f"wrote {args.output}" if not args.report else f"read {args.report}")
     passed = (
