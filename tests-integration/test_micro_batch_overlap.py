@@ -164,7 +164,9 @@ def _rank_counters(directory: Path) -> dict[int, dict]:
     }
 
 
-@pytest.mark.parametrize("graphs", ["eager", "full"])
+# Eager DBO is covered offline (test_two_micro_batched_ranks_equal_one_rank) and served at
+# vLLM's defaults (test_vllm_defaults); the eager server is an extended variant.
+@pytest.mark.parametrize("graphs", [pytest.param("eager", marks=pytest.mark.extended), "full"])
 def test_dp_server_with_micro_batches_equals_one_rank(tiny_moe, one_rank, tmp_path, graphs):
     """Rounds of the eight concurrent requests, until each rank has split a prefill
     step (at most ``SERVER_ROUNDS``): a step splits only when both ranks agree, and

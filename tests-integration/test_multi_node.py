@@ -98,8 +98,20 @@ def _check_node_binding(log) -> None:
     assert _physical_cores(worker + binding.reserved) == node_cores, summary
 
 
-@pytest.mark.parametrize("graphs", list(GRAPHS), ids=list(GRAPHS))
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+# Graph modes and layouts meet in test_tensor_parallel; across nodes CI runs each
+# layout once, TP=2 with graphs and PP=2 eagerly, and leaves the other pairs extended.
+NODE_CASES = [
+    pytest.param(layout, graphs, id=f"{layout}-{graphs}", marks=marks)
+    for layout, graphs, marks in (
+        ("TP=2", "FULL_DECODE_ONLY", ()),
+        ("PP=2", "eager", ()),
+        ("TP=2", "eager", pytest.mark.extended),
+        ("PP=2", "FULL_DECODE_ONLY", pytest.mark.extended),
+    )
+]
+
+
+@pytest.mark.parametrize(("layout", "graphs"), NODE_CASES)
 def test_two_nodes_equal_transformers(llama, tmp_path, layout, graphs):
     model, hf = llama
     counters = tmp_path / "counters"

@@ -110,7 +110,12 @@ def test_tensor_parallel_equals_transformers(v2, tp_model, tmp_path):  # noqa: F
     assert result["tokens"] == [hf]
 
 
-@pytest.mark.parametrize("mode", ["eager", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+# FULL_AND_PIECEWISE replays the same FULL decode graphs as FULL_DECODE_ONLY, which is
+# an extended variant here.
+@pytest.mark.parametrize(
+    "mode",
+    ["eager", pytest.param("FULL_DECODE_ONLY", marks=pytest.mark.extended), "FULL_AND_PIECEWISE"],
+)
 def test_prefill_context_parallel_equals_one_rank_and_transformers(v2, mla_model, tmp_path, mode):  # noqa: F811
     """PCP=2 over gloo on the MLA model (vLLM 0.32 runs PCP on V2 only): each rank
     attends its DualChunkSwap chunks of every prefill and writes the latents gathered
