@@ -121,9 +121,18 @@ class PrefillProblem:
 
         return run
 
-    def layer_runner(self, provider: TritonProvider, block_size: int, kind: str = "auto"):
+    def layer_runner(
+        self,
+        provider: TritonProvider,
+        block_size: int,
+        kind: str = "auto",
+        *,
+        attend_only: bool = False,
+        write_only: bool = False,
+    ):
         """A layer as ``npu_attention.run`` runs it: the new rows written into the pages
-        (8-bit pages of ``kind`` unless ``auto``), then attention."""
+        (8-bit pages of ``kind`` unless ``auto``), then attention (``attend_only`` /
+        ``write_only``: one of the two; the pages already hold the new rows)."""
         spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE,
                              kv_cache_dtype=kind)  # fmt: skip
         pages = -(-self.seq_len // block_size)
@@ -154,8 +163,10 @@ class PrefillProblem:
             rows.append(new.reshape(-1, KV_HEADS, HEAD_SIZE).contiguous())
 
         def run() -> torch.Tensor:
-            provider.write_kv(rows[0], rows[1], key_cache, value_cache, plan, **extra)
-            provider.attend(query, key_cache, value_cache, plan, out, rows[0], rows[1], **extra)
+            if not attend_only:
+                provider.write_kv(rows[0], rows[1], key_cache, value_cache, plan, **extra)
+            if not write_only:
+                provider.attend(query, key_cache, value_cache, plan, out, rows[0], rows[1], **extra)
             return out
 
         return run
@@ -207,6 +218,85 @@ def kv_cache_dtype_rows(device: torch.device, kind: str, rounds: int) -> list[di
             })  # fmt: skip
         del problem
         torch.cuda.empty_cache()
+    return rows
+
+
+# ``--prefill-variants``: the portable kernel's launches for chunks over 8-bit pages
+# (block_m, block_n, num_warps, num_stages; fast_dequant 1 or 0).
+PREFILL_VARIANTS_8BIT = {
+    "m128_n128_w8_s3": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    "m64_n128_w4_s2": {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
+    "m64_n128_w4_s4": {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 4},
+    "m64_n128_w8_s3": {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    "m32_n128_w4_s3": {"block_m": 32, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    "m64_n128_w4_s3_fast": {
+        "block_m": 64,
+        "block_n": 128,
+        "num_warps": 4,
+        "num_stages": 3,
+        "fast_dequant": 1,
+    },
+    "m64_n128_w4_s3_cvt": {
+        "block_m": 64,
+        "block_n": 128,
+        "num_warps": 4,
+        "num_stages": 3,
+        "fast_dequant": 0,
+    },
+    "m128_n64_w8_s3": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    "m128_n128_w8_s3_fast": {
+        "block_m": 128,
+        "block_n": 128,
+        "num_warps": 8,
+        "num_stages": 3,
+        "fast_dequant": 1,
+    },
+    "m128_n128_w8_s3_cvt": {
+        "block_m": 128,
+        "block_n": 128,
+        "num_warps": 8,
+        "num_stages": 3,
+        "fast_dequant": 0,
+    },
+}
+
+
+def prefill_variant_rows(device: torch.device, kind: str, rounds: int) -> list[dict[str, Any]]:
+    """The chunk after a prefix: attention alone (no write) over the 16-bit pages and
+    over ``kind``'s pages with each of ``PREFILL_VARIANTS_8BIT``, interleaved; and the
+    write alone of each cache."""
+    rows = []
+    problem = PrefillProblem(*PROBLEMS["chunk_after_prefix"], device)
+    expected = problem.sdpa_runner()().float()
+    for block_size in (128, 16):
+        calls = {"bf16": problem.layer_runner(TritonProvider(), block_size, attend_only=True),
+                 "bf16_write": problem.layer_runner(TritonProvider(), block_size,
+                                                    write_only=True),
+                 f"{kind}_write": problem.layer_runner(TritonProvider(), block_size, kind,
+                                                       write_only=True),
+                 "default": problem.layer_runner(TritonProvider(), block_size, kind,
+                                                 attend_only=True)}  # fmt: skip
+        for name, launch in PREFILL_VARIANTS_8BIT.items():
+            provider = TritonProvider()
+            provider.prefill_launch_8bit = launch
+            calls[name] = problem.layer_runner(provider, block_size, kind, attend_only=True)
+        errors = {}
+        for label, run in list(calls.items()):
+            try:
+                result = run()
+            except Exception as error:  # e.g. out of shared memory
+                print(f"skip {label}: {type(error).__name__}: {error}"[:300])
+                del calls[label]
+                continue
+            if not label.endswith("_write"):
+                errors[label] = (problem.as_sdpa_layout(result).float() - expected).abs().max()
+        timed = _timing.interleaved_median_ms(calls, rounds)
+        for label, (ms, spread) in timed.items():
+            rows.append({
+                "block": block_size, "call": label, "ms": ms,
+                "vs_bf16": ms / timed["bf16"][0], "spread_%": spread,
+                "max_err": float(errors[label]) if label in errors else "",
+            })  # fmt: skip
     return rows
 
 
@@ -263,8 +353,19 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype", help="only this 8-bit cache kind against the 16-bit cache"
     )
+    parser.add_argument(
+        "--prefill-variants",
+        action="store_true",
+        help="with --kv-cache-dtype: the chunk's attention under each 8-bit launch",
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
+    if args.kv_cache_dtype and args.prefill_variants:
+        rows = prefill_variant_rows(device, args.kv_cache_dtype, args.rounds)
+        print(f"kv_cache_dtype={args.kv_cache_dtype} on {torch.cuda.get_device_name(device)}")
+        _timing.print_table(list(rows[0]), rows)
+        _timing.write_json(f"prefill_variants_{args.kv_cache_dtype}", {"rows": rows})
+        return
     if args.kv_cache_dtype:
         rows = kv_cache_dtype_rows(device, args.kv_cache_dtype, args.rounds)
         print(f"kv_cache_dtype={args.kv_cache_dtype} on {torch.cuda.get_device_name(device)}")

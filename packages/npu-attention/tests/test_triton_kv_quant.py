@@ -98,6 +98,26 @@ def test_gpu_batch_states_and_head_sizes(kind: str, head_size: int) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+@pytest.mark.parametrize("launch", ["8bit", "16bit"])
+def test_gpu_chunks_over_whole_page_tiles(
+    kind: str, launch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill chunks after cached prefixes on 128-key pages (a K/V tile inside one
+    page), with the 8-bit prefill launch and with the 16-bit one."""
+    spec = AttentionSpec(32, 8, 128, 128, dtype=torch.bfloat16, kv_cache_dtype=kind)
+    case = make_case(spec, [200, 77], [390, 129], 0, pad_tokens=2, device="cuda")
+    provider = get_provider("triton", "cuda")
+    if launch == "16bit":
+        monkeypatch.setattr(provider, "prefill_launch_8bit", None)
+    else:
+        assert provider.prefill_launch_8bit is not None
+    out, quant, step = run_quantized(case, provider="triton")
+    assert step.state is BatchState.PREFILL_CACHE_HIT
+    _check(case, out, quant, step)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
 def test_gpu_graph_replay_of_the_next_batch(kind: str) -> None:
     """A CUDA graph of one decode step (write + attention, scales as static tensors)
     replays the next step after its step tensors are refreshed in place."""

@@ -94,6 +94,9 @@ class TritonProvider(AttentionProvider):
             programs than multiprocessors it takes too, and their launch.
         fast_dequant_pages: the page dtypes the portable kernel converts by integer and
             float arithmetic (``dequant.py``) rather than conversion instructions.
+        prefill_launch_8bit: the portable kernel's launch for prefills that read 8-bit
+            pages (``None``: ``prefill_launch``); a ``fast_dequant`` key in it overrides
+            ``fast_dequant_pages``.
     """
 
     name: ClassVar[str] = "triton"
@@ -204,6 +207,17 @@ class TritonProvider(AttentionProvider):
         # int8 chunks after a prefix took the same time either way (0.251 against
         # 0.248-0.250 ms, 512 after 4096, block 128).
         self.fast_dequant_pages: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
+        # Prefills that read 8-bit pages (a chunk after a cached prefix): tiles of 64 rows
+        # and 128 keys, one warpgroup, twice the programs of ``prefill_launch``. H200, 512
+        # after 4096, block 128 / 16, attention alone: int8 per token and head 0.139 /
+        # 0.141 ms against 0.241 / 0.186 (16-bit 0.103 / 0.128); fp8 0.136 / 0.144
+        # against 0.144 / 0.160. Other settings tried: benchmarks/README.md.
+        self.prefill_launch_8bit: dict[str, int] | None = {
+            "block_m": 64,
+            "block_n": 128,
+            "num_warps": 4,
+            "num_stages": 3,
+        }
 
     @classmethod
     def is_available(cls) -> bool:
@@ -447,6 +461,8 @@ class TritonProvider(AttentionProvider):
             launch = self.prefill_launch
             if paged and spec.block_size % launch["block_n"]:
                 launch = self.prefill_launch_small_pages
+            if paged and spec.kv_cache_dtype != "auto" and self.prefill_launch_8bit is not None:
+                launch = self.prefill_launch_8bit
         elif one_wave:
             launch = self.decode_launch_one_wave
             if spec.kv_cache_dtype != "auto" and self.decode_launch_one_wave_8bit is not None:
@@ -458,7 +474,7 @@ class TritonProvider(AttentionProvider):
             if spec.kv_cache_dtype != "auto" and self.decode_launch_8bit is not None:
                 launch = self.decode_launch_8bit
         if spec.kv_cache_dtype != "auto":
-            launch = {**launch, "fast_dequant": int(spec.cache_dtype in self.fast_dequant_pages)}
+            launch = {"fast_dequant": int(spec.cache_dtype in self.fast_dequant_pages), **launch}
         return _launch_config(spec, decode_tiles, num_kv_splits, tuple(sorted(launch.items())))
 
     def _num_kv_splits(
