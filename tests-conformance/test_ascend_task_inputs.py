@@ -267,7 +267,8 @@ def test_a_write_of_several_calls_is_one_task_a_graph_update_reissues(
         event.record(update_stream)
     graph.replay()
     calls = stand_in.log.of(SCATTER)
-    assert [call.arguments["key"].shape[0] for call in calls] == [128, 128, 44] * 2  # captured, re-issued
+    rows_per_call = [call.arguments["key"].shape[0] for call in calls]
+    assert rows_per_call == [128, 128, 44] * 2  # captured, re-issued
     expected = [torch.zeros_like(cache) for cache in caches]
     reference = step(1, "reference")
     reference.provider.write_kv(key, value, *expected, reference)
