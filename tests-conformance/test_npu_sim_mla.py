@@ -11,7 +11,8 @@ hit of two blocks), float16. The absorbed decode runs the paged
 write ``npu_scatter_pa_kv_cache``; FULL_DECODE_ONLY graphs hold the write and the decode
 as tasks of every MLA layer. Reference: transformers (each token its float32 argmax
 given the run's tokens before it, within ``TIE_TOLERANCE``); with MTP (one speculative
-token, the drafter's own FULL graphs) also the same engine's tokens without speculation.
+token; on V2 the drafter's FULL graphs, on V1 its passes as vLLM dispatches them) also the
+same engine's tokens without speculation.
 
 In CI: V1 FULL_DECODE_ONLY without speculation, and MTP on V1 and V2 FULL_DECODE_ONLY.
 ``NPU_SIM_MLA_ALL=1`` adds V1/V2 eager and FULL_AND_PIECEWISE, V2 FULL_DECODE_ONLY and
@@ -147,8 +148,9 @@ def test_mtp_with_drafter_graphs_keeps_the_tokens(
     deepseek, without_speculation, runner, mode, tmp_path
 ) -> None:
     """One MTP token per step: verify steps of 2 tokens per request replay the target's
-    FULL graphs (the v2 op with the causal mask), the MTP layer's first passes its own
-    FULL graphs, each after a task update; the tokens are those without speculation."""
+    FULL graphs (the v2 op with the causal mask), on V2 the MTP layer's first passes its
+    own FULL graphs (V1's run as vLLM dispatches them), each after a task update; the
+    tokens are those without speculation."""
     sizes = ["--capture-sizes", *MTP_CAPTURE_SIZES]
     tokens, report = run_npu_sim(
         deepseek, runner, mode, tmp_path, *sizes, "--speculative-config", MTP
@@ -162,5 +164,8 @@ def test_mtp_with_drafter_graphs_keeps_the_tokens(
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == spec["num_drafts"], spec
     assert graphs["replayed_steps"] > 0, graphs  # the target's verify steps
     assert graphs["task_updates"] == graphs["replayed_steps"], graphs
+    if runner == "v1":  # no drafter graph of the bridge's (docs/drafter-graphs.md)
+        assert graphs["draft_captured"] == graphs["draft_replayed_steps"] == 0, graphs
+        return
     assert graphs["draft_captured"] > 0 and graphs["draft_replayed_steps"] > 0, graphs
     assert graphs["draft_task_updates"] == graphs["draft_replayed_steps"], graphs

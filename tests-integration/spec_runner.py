@@ -9,7 +9,7 @@ for several engines saves the start-up of Python, torch and vLLM per configurati
 
 SPEC: {"model": path, "prompts": [[ids], ...], "max_tokens": [n per prompt], "engines": {name:
 {LLM kwargs}}}; an engine's ``"skip_draft_updates": true`` (not an LLM kwarg) makes the
-drafter's FULL replays skip their task update; its ``"model"``, ``"prompts"`` and
+drafter's FULL replays skip their task update (V2 only: ``v2_spec_runner.py``); its ``"model"``, ``"prompts"`` and
 ``"max_tokens"`` replace the spec's. Output: one line per engine, ``RESULT {"name": ..., "tokens": [[...]],
 "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
 "accepted_per_position"}, "counters": {...}, "states": {...}}``, or with
@@ -122,21 +122,11 @@ def _run_engine(name: str, spec: dict, engine: dict, states: Counter, skipped: l
 
 
 def _skip_draft_updates(skipped: list[int]):
-    """A runner that forgets the drafter's task update: the draft wrapper replays
-    without re-issuing its tasks (stale-update control; ``skipped`` counts them).
-    Returns the function that puts the update back."""
-    from npu_vllm_bridge.graphs.draft_graphs import DraftGraphWrapper
-
-    update = DraftGraphWrapper._update_tasks
-
-    def skip(self, key, attn_metadata) -> None:
-        skipped.append(1)
-
-    def restore() -> None:
-        DraftGraphWrapper._update_tasks = update
-
-    DraftGraphWrapper._update_tasks = skip
-    return restore
+    """A runner that forgets the drafter's task update (``v2_spec_runner.py`` puts V2's
+    here); V1's drafters run as vLLM dispatches them, with no graph of the bridge's."""
+    raise ValueError(
+        "skip_draft_updates needs Model Runner V2's drafter graphs (v2_spec_runner.py)"
+    )
 
 
 def _register_triton_overrides_once() -> None:

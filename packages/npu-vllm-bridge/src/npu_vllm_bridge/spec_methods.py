@@ -1,4 +1,4 @@
-"""The speculative-decoding methods the bridge runs, and those whose drafter it graphs."""
+"""The speculative-decoding methods the bridge runs."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import get_args
 MAX_QUERY_TOKENS_PER_REQUEST = 16
 DRAFT_FREE_METHODS = ("ngram",)
 DRAFT_HEAD_METHODS = ("eagle", "eagle3", "draft_model")
-# Drafters with attention layers of their own whose forwards get FULL graphs (and MTP).
-GRAPHED_DRAFT_METHODS = ("eagle", "draft_model")
 
 
 def mtp_methods() -> tuple[str, ...]:

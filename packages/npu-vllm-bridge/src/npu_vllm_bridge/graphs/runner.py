@@ -23,7 +23,6 @@ from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
 from npu_graphs import GraphBackend, capture_all, get_backend
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
-from npu_vllm_bridge.graphs.draft_graphs import DraftGraphs, install_draft_graphs
 from npu_vllm_bridge.graphs.memory_estimate import fit_own_bytes, sample_descs
 from npu_vllm_bridge.graphs.ubatch_wrapper import (
     BridgeUBatchWrapper,
@@ -45,8 +44,6 @@ class GraphRunnerMixin:
     cudagraph_dispatcher: Any
     model: Any
 
-    draft_graphs: DraftGraphs | None = None
-
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         # vLLM's GPU runner would wrap the model in its CUDA UBatchWrapper itself.
         with vllm_ubatch_wrapper_bypassed():
@@ -67,21 +64,14 @@ class GraphRunnerMixin:
                 CUDAGraphMode.FULL,
                 num_attention_layers=count_attention_tasks(self.vllm_config, self.model),
             )
-            # The drafter's own forwards (EAGLE heads, draft models, MTP): FULL
-            # graphs in a wrapper and task registry of their own.
-            self.draft_graphs = install_draft_graphs(self, self.model)
-
-    def get_draft_model(self) -> Any:
-        """The drafter's model itself (vLLM unwraps only its own wrapper classes)."""
-        model = super().get_draft_model()  # type: ignore[misc]
-        wrapped = isinstance(model, (BridgeGraphWrapper, BridgeUBatchWrapper))
-        return model.unwrap() if wrapped else model
+        # A drafter's forwards run as vLLM's V1 proposer dispatches them: PIECEWISE or
+        # eager (docs/drafter-graphs.md says why the bridge adds no FULL graphs there).
 
     def capture_model(self) -> int:
         """Capture every (mode, batch descriptor) vLLM's dispatcher will replay,
         largest first, with a progress bar; returns the bytes the graphs hold. With
-        ``capture_on_first_use`` only the drafter's graphs are captured here; the
-        model's are captured by the wrapper at the first step of each key."""
+        ``capture_on_first_use`` none is captured here: the wrapper captures each key
+        at its first step."""
         groups = self.cudagraph_dispatcher.get_capture_descs()
         if self.compilation_config.cudagraph_mode == CUDAGraphMode.NONE or not groups:
             return 0
@@ -104,12 +94,6 @@ class GraphRunnerMixin:
                     report = self._capture_group(backend, runtime_mode, descs)
                     held += report.memory_bytes
                     seconds += report.seconds
-                if self.draft_graphs is not None:
-                    report = self.draft_graphs.capture(backend, groups)
-                    if report is not None:
-                        held += report.memory_bytes
-                        seconds += report.seconds
-                        num_graphs += len(report.keys)
         finally:
             set_cudagraph_capturing_enabled(False)
         own, pool = backend.memory_breakdown()
@@ -188,8 +172,6 @@ class GraphRunnerMixin:
                 groups = self.cudagraph_dispatcher.get_capture_descs()
                 for runtime_mode, descs in groups:
                     own_total += self._estimate_group(backend, runtime_mode, descs)
-                if self.draft_graphs is not None:
-                    own_total += self.draft_graphs.estimate(backend, groups)
             _, pool_after = backend.memory_breakdown()
         finally:
             set_cudagraph_capturing_enabled(False)
@@ -200,9 +182,7 @@ class GraphRunnerMixin:
             self.cudagraph_dispatcher.keys_initialized = False
             self._cleanup_profiling_kv_cache()  # type: ignore[attr-defined]
             counters = graph_counters()
-            counters.captured = counters.draft_captured = counters.split_captured = 0
-            if self.draft_graphs is not None:
-                self.draft_graphs.wrapper.captured = 0
+            counters.captured = counters.split_captured = 0
             compilation_counter.num_cudagraph_captured = saved_captures
         total = own_total + max(pool_after - pool_before, 0)
         graph_counters().estimated_bytes = total
