@@ -66,11 +66,10 @@ class DecodeModel:
             return self.wrapper(self.steps.query)
 
     def step_replay_first(self, number: int):
-        """Step ``number`` through ``replay_with_update``: the npu backend launches the
-        replay, then updates its task."""
+        """Step ``number`` through ``replay_step``: the npu backend launches the replay,
+        then updates its task."""
         self.plan = self.steps.plan(number)
-        plan = self.plan
-        return self.wrapper.replay_with_update(KEY, lambda: self.tasks.update(KEY, plan))
+        return self.wrapper.replay_step(KEY, self.plan)
 
 
 def _run_two_steps(backend: NpuGraphBackend) -> tuple[Steps, DecodeModel]:

@@ -168,9 +168,9 @@ def test_each_replay_updates_every_micro_batch_after_its_launch(stand_in, run):
 def test_a_micro_batch_left_at_its_captured_plan_is_caught(stand_in, run, monkeypatch):
     run.step(1)
     captured = run.metadata(1)[1]
-    replay = run.wrapper.runner.replay_with_update
+    replay = run.wrapper.runner.replay_step
     monkeypatch.setattr(
-        run.wrapper.runner, "replay_with_update",
+        run.wrapper.runner, "replay_step",
         lambda key, splits, inputs, steps: replay(key, splits, inputs, [steps[0], captured]),
     )  # fmt: skip
     run.step(2)

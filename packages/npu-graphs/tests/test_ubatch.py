@@ -145,15 +145,9 @@ def test_each_micro_batch_takes_its_own_step(backend, device):
                                **TOL)  # fmt: skip
     tasks = registry.tasks(runner.graph_key(12, splits))
     assert sorted(t.micro_batch for t in tasks) == [0, 0, 1, 1]
-    for seq_lens in ([[1, 4], [7]], [[5], [1, 1, 5]]):
-        runner.update_tasks(12, splits, [_named(lens) for lens in seq_lens])
-        with graph_dispatch(RuntimeMode.FULL, 12):
-            out = runner(static, splits).clone()
+    for seq_lens in ([[1, 4], [7]], [[5], [1, 1, 5]], [[2, 1, 2], [3, 4]]):
+        out = runner.replay_step(12, splits, static, [_named(lens) for lens in seq_lens]).clone()
         torch.testing.assert_close(out, _per_micro_batch_expected(static, splits, seq_lens), **TOL)
-    # The same through replay_with_update (the update in the order the backend allows).
-    seq_lens = [[2, 1, 2], [3, 4]]
-    out = runner.replay_with_update(12, splits, static, [_named(lens) for lens in seq_lens])
-    torch.testing.assert_close(out, _per_micro_batch_expected(static, splits, seq_lens), **TOL)
 
 
 def test_a_micro_batch_left_with_its_old_step_is_caught(backend, device):
@@ -170,9 +164,7 @@ def test_a_micro_batch_left_with_its_old_step_is_caught(backend, device):
     with graph_dispatch(RuntimeMode.FULL, 12):
         runner(static, splits)
     new = [[1, 5], [5, 1]]
-    runner.update_tasks(12, splits, [_named(new[0]), _named([3, 3])])
-    with graph_dispatch(RuntimeMode.FULL, 12):
-        out = runner(static, splits).clone()
+    out = runner.replay_step(12, splits, static, [_named(new[0]), _named([3, 3])]).clone()
     expected = _per_micro_batch_expected(static, splits, new)
     torch.testing.assert_close(out[:6], expected[:6], **TOL)
     assert (out[6:] - expected[6:]).abs().max() > 1e-2
@@ -190,15 +182,15 @@ def test_micro_batch_steps_must_fit(backend, device):
     with graph_dispatch(RuntimeMode.FULL, 6):
         runner(static, [3, 3])
     with pytest.raises(ValueError, match=r"2 micro-batches \[3, 3\] need one step each, got 1"):
-        runner.update_tasks(6, [3, 3], [_named([3])])
+        runner.replay_step(6, [3, 3], static, [_named([3])])
     with pytest.raises(ValueError, match=r"need one step each, got 3"):
-        runner.replay_with_update(6, [3, 3], static, [_named([3])] * 3)
+        runner.replay_step(6, [3, 3], static, [_named([3])] * 3)
     with pytest.raises(
         TaskUpdateError, match="recorded in micro-batch 1; the update brought steps for 1"
     ):
         registry.update(runner.graph_key(6, (3, 3)), PerMicroBatch([_named([3])]))
     with pytest.raises(ValueError, match="no task registry"):
-        MicroBatchRunner(lambda x, ctx: x, backend=backend).update_tasks(6, [3, 3], [{}, {}])
+        MicroBatchRunner(lambda x, ctx: x, backend=backend).replay_step(6, [3, 3], static, [{}, {}])
 
 
 def test_tasks_outside_micro_batches_refuse_per_micro_batch_steps():

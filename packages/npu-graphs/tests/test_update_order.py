@@ -1,7 +1,7 @@
 """Which comes first, a replay or the update of its tasks: ``updates_follow_replay``.
 
 On the npu backend a captured ExternalEvent wait holds each task group until its update
-records the event, so ``GraphWrapper.replay_with_update`` launches the replay first and
+records the event, so ``GraphWrapper.replay_step`` launches the replay first and
 updates after it; the host backend (and CUDA, which has no task update) updates first.
 The npu backend runs on the call-logging stand-in of ``npu_graphs_npu_stand_in``.
 """
@@ -18,6 +18,7 @@ from npu_graphs_npu_stand_in import StandIn
 from npu_graphs import (
     GraphBackend,
     GraphWrapper,
+    PerMicroBatch,
     RuntimeMode,
     TaskRegistry,
     TaskUpdateError,
@@ -74,10 +75,10 @@ def test_only_the_npu_backend_updates_after_the_replay() -> None:
 
 def test_npu_replay_is_launched_before_its_update(npu) -> None:
     backend, log = npu
-    wrapper, registry = _engine(backend)
+    wrapper, _ = _engine(backend)
     capture_replay_done = [e for e in log if e[0] == "event.record"][-1][1]
     log.clear()
-    wrapper.replay_with_update(KEY, lambda: registry.update(KEY, {"seq_lens": [1, 3]}))
+    wrapper.replay_step(KEY, {"seq_lens": [1, 3]})
     per_task = ["update_begin", "update_end", "external.record"]
     assert _names(log) == ["replay", "event.record", "wait_event", "use_stream", *per_task * 2]
     launched_done = log[1][1]
@@ -92,38 +93,30 @@ def test_npu_replay_is_launched_before_its_update(npu) -> None:
     assert "synchronize" not in _names(log)
 
 
-def test_npu_tasks_left_alone_are_released_after_the_replay(npu) -> None:
+def test_npu_tasks_are_released_when_the_update_fails(npu) -> None:
     backend, log = npu
-    wrapper, registry = _engine(backend)
+    wrapper, _ = _engine(backend)
     log.clear()
-    wrapper.replay_with_update(KEY, lambda: None)  # an update that forgot its tasks
-    assert (
-        _names(log)
-        == ["replay", "event.record", "wait_event", "use_stream"] + ["external.record"] * 2
-    )
-    log.clear()
-
-    def failing_update() -> None:
-        raise RuntimeError("metadata build failed")
-
-    with pytest.raises(RuntimeError, match="metadata build failed"):
-        wrapper.replay_with_update(KEY, failing_update)
+    with pytest.raises(TaskUpdateError):
+        # Steps per micro-batch for tasks recorded outside micro-batches.
+        wrapper.replay_step(KEY, PerMicroBatch([{"seq_lens": [KEY]}]))
+    assert _names(log)[0] == "replay"
     assert _names(log).count("external.record") == 2  # the launched replay never hangs
     log.clear()
-    registry.update(KEY, {"seq_lens": [4]})  # the next step, in the usual order
-    assert _names(log)[0] == "wait_event"
+    wrapper.replay_step(KEY, {"seq_lens": [4]})  # the next step, in the usual order
+    assert _names(log)[:3] == ["replay", "event.record", "wait_event"]
 
 
-def test_npu_second_update_for_a_launched_replay_is_refused(npu) -> None:
-    backend, _ = npu
-    wrapper, registry = _engine(backend)
-
-    def update_twice() -> None:
-        registry.update(KEY, {"seq_lens": [4]})
-        registry.update(KEY, {"seq_lens": [2, 2]})
-
-    with pytest.raises(TaskUpdateError, match="second update for the replay already launched"):
-        wrapper.replay_with_update(KEY, update_twice)
+def test_a_key_without_tasks_just_replays(npu) -> None:
+    backend, log = npu
+    wrapper = GraphWrapper(
+        lambda x: x * 2, backend=backend, tasks=TaskRegistry("none"), pool=backend.new_pool()
+    )
+    with graph_dispatch(RuntimeMode.FULL, KEY):
+        wrapper(torch.ones(KEY, 2))
+    log.clear()
+    wrapper.replay_step(KEY, object())  # the step is not read
+    assert "update_begin" not in _names(log) and _names(log)[0] == "replay"
 
 
 def test_npu_tasks_with_fixed_buffers_update_before_the_replay(npu, monkeypatch) -> None:
@@ -132,34 +125,37 @@ def test_npu_tasks_with_fixed_buffers_update_before_the_replay(npu, monkeypatch)
     monkeypatch.setattr(type(backend), "device_type", "cpu")
     wrapper, registry = _engine(backend, seq_lens=torch.tensor([KEY]))
     assert registry.has_fixed_buffers(KEY)
-    seen: list[int] = []
-
-    def update() -> None:
-        seen.append(wrapper.entry(KEY).replays)
-        registry.update(KEY, {"seq_lens": torch.tensor([KEY])})
-
-    wrapper.replay_with_update(KEY, update)
+    seen = _replays_at_update(monkeypatch, wrapper, registry)
+    wrapper.replay_step(KEY, {"seq_lens": torch.tensor([KEY])})
     assert seen == [1] and wrapper.entry(KEY).replays == 2  # the copy precedes the launch
 
 
-def test_host_updates_before_the_replay() -> None:
+def test_host_updates_before_the_replay(monkeypatch) -> None:
     backend = get_backend("host")
     assert not backend.updates_follow_replay
     wrapper, registry = _engine(backend)
-    seen: list[int] = []
-
-    def update() -> None:
-        seen.append(wrapper.entry(KEY).replays)
-        registry.update(KEY, {"seq_lens": [1, 3]})
-
+    seen = _replays_at_update(monkeypatch, wrapper, registry)
     x = torch.ones(KEY, 2)
-    out = wrapper.replay_with_update(KEY, update, x, None)
+    out = wrapper.replay_step(KEY, {"seq_lens": [1, 3]}, x, None)
     assert seen == [0] and wrapper.entry(KEY).replays == 1
     expected = segment_mix(segment_mix(x, seq_lens=[1, 3]), seq_lens=[1, 3])
     torch.testing.assert_close(out, expected)
 
 
-def test_replay_with_update_of_an_unknown_key_is_refused() -> None:
+def test_replay_step_of_an_unknown_key_is_refused() -> None:
     wrapper, _ = _engine(get_backend("host"))
     with pytest.raises(KeyError, match="no graph captured"):
-        wrapper.replay_with_update(KEY + 1, lambda: None)
+        wrapper.replay_step(KEY + 1, {"seq_lens": [KEY]})
+
+
+def _replays_at_update(monkeypatch, wrapper, registry) -> list[int]:
+    """The replays of ``KEY`` counted at each update of ``registry`` (filled as they come)."""
+    seen: list[int] = []
+    update = registry.update
+
+    def counting_update(key, step):
+        seen.append(wrapper.entry(KEY).replays)
+        update(key, step)
+
+    monkeypatch.setattr(registry, "update", counting_update)
+    return seen

@@ -30,7 +30,8 @@ from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
 from npu_vllm_bridge.attention.kv_cache import split_kv_cache
 from npu_vllm_bridge.attention.tasks import run_attention
 from npu_vllm_bridge.graphs.counters import graph_counters, reset_graph_counters
-from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, per_layer_metadata
+from npu_vllm_bridge.graphs.full_graphs import per_layer_metadata
+from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper
 
 BLOCK_SIZE, NUM_BLOCKS, BATCH = 16, 96, 4
 SPEC = npu_attention.AttentionSpec(NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32)

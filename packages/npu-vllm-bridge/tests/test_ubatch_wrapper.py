@@ -173,9 +173,9 @@ def test_a_skipped_micro_batch_task_update_is_caught(monkeypatch):
     whole, halves, slices = setup.step(STEPS[0])
     setup.run(halves, slices, CUDAGraphMode.FULL)  # capture with step 0's plans
     captured = halves[1]
-    replay = setup.wrapper.runner.replay_with_update
+    replay = setup.wrapper.runner.replay_step
     monkeypatch.setattr(
-        setup.wrapper.runner, "replay_with_update",
+        setup.wrapper.runner, "replay_step",
         lambda key, splits, inputs, steps: replay(key, splits, inputs, [steps[0], captured]),
     )  # fmt: skip
     whole, halves, slices = setup.step(STEPS[2])

@@ -16,33 +16,33 @@ DESC = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=4, num_re
 
 
 def _manager(calls: list, num_tasks: int = 2) -> BridgeModelGraphManager:
-    """A manager with stand-ins for its task registry and graph wrapper (no capture);
-    the wrapper's ``replay_with_update`` runs the update, then logs the replay (the order
-    each graph backend takes is npu-graphs' own, tested there and in tests-conformance)."""
+    """A manager whose graph component has stand-ins for its task registry and
+    npu-graphs wrapper (no capture): ``replay_step`` logs the key and the step it is
+    handed (the order each graph backend takes is npu-graphs' own, tested there and in
+    tests-conformance)."""
+    from npu_vllm_bridge.graphs.full_graphs import MODEL, FullGraphCounts, FullGraphs
+
     manager = BridgeModelGraphManager.__new__(BridgeModelGraphManager)
-    manager.tasks = SimpleNamespace(
-        num_tasks=lambda desc: num_tasks, update=lambda desc, step: calls.append(("update", step))
+    full = FullGraphs.__new__(FullGraphs)
+    full.role, full.counts = MODEL, FullGraphCounts()
+    full.tasks = SimpleNamespace(num_tasks=lambda desc: num_tasks)
+    full.graphs = SimpleNamespace(
+        replay_step=lambda desc, step: calls.append(("replay_step", desc, step))
     )
-
-    def replay_with_update(desc, update) -> None:
-        update()
-        calls.append(("replay_with_update", desc))
-
-    manager.wrapper = SimpleNamespace(
-        replay=lambda desc: calls.append(("replay", desc)), replay_with_update=replay_with_update
-    )
+    manager.full = full
     manager.is_last_pp_rank, manager.use_aux_hidden_state_outputs = True, False
     manager.hidden_states = torch.arange(8.0)[:, None]  # vLLM's persistent output buffer
     return manager
 
 
-def test_replay_hands_the_wrapper_an_update_with_the_steps_metadata() -> None:
+def test_replay_hands_npu_graphs_the_steps_metadata() -> None:
     calls: list = []
     manager = _manager(calls)
     step = {"model.layers.0.self_attn.attn": object(), "model.layers.1.self_attn.attn": object()}
     manager.step_attn_metadata = step
     hidden_states = manager.run_fullgraph(DESC)
-    assert calls == [("update", step), ("replay_with_update", DESC)]
+    assert calls == [("replay_step", DESC, step)]
+    assert (manager.full.counts.replayed, manager.full.counts.task_updates) == (1, 1)
     assert torch.equal(hidden_states, manager.hidden_states[:4])  # vLLM's output slicing
     assert manager.step_attn_metadata is None  # one step's metadata serves one replay
 
@@ -52,7 +52,8 @@ def test_a_graph_without_tasks_replays_without_update() -> None:
     manager = _manager(calls, num_tasks=0)
     manager.step_attn_metadata = {}
     manager.run_fullgraph(DESC)
-    assert calls == [("replay", DESC)]
+    assert calls == [("replay_step", DESC, None)]  # the step is not read
+    assert (manager.full.counts.replayed, manager.full.counts.task_updates) == (1, 0)
 
 
 def test_replay_without_the_steps_metadata_is_refused() -> None:
@@ -106,7 +107,10 @@ def _capturing_manager(monkeypatch, dispatched: BatchExecutionDescriptor, lazy: 
     captured: list = []
     backend = _Backend()
     manager = BridgeModelGraphManager.__new__(BridgeModelGraphManager)
-    manager.wrapper = SimpleNamespace(backend=backend)
+    from npu_vllm_bridge.graphs.full_graphs import FullGraphs
+
+    manager.full = FullGraphs.__new__(FullGraphs)
+    manager.full.graphs = SimpleNamespace(backend=backend)
     manager.capture_on_first_use = lazy
     manager._capture_descs = {CUDAGraphMode.PIECEWISE: PIECEWISE, CUDAGraphMode.FULL: FULL}
     manager._capture_mem_samples = None
@@ -116,7 +120,7 @@ def _capturing_manager(monkeypatch, dispatched: BatchExecutionDescriptor, lazy: 
         compilation_config=SimpleNamespace(max_cudagraph_capture_size=16)
     )
 
-    def capture_one(create_forward_fn, desc) -> None:
+    def capture_one(create_forward_fn, desc, at_first_use=False) -> None:
         captured.append((create_forward_fn, desc))
         backend.capture(desc.num_tokens)
         if desc.cg_mode == CUDAGraphMode.FULL:

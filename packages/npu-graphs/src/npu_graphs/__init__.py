@@ -6,14 +6,13 @@ Parts (each usable alone, none tied to an engine or to attention):
   update), ``cuda`` (CUDA graphs, step state in fixed buffers) and ``host`` (recorded
   CPU op streams mirroring the NPU protocol, for CI).
 * :class:`GraphWrapper`: capture a callable per batch key on first sight, replay
-  after; reads the mode and key set by :func:`graph_dispatch`.
+  after; reads the mode and key set by :func:`graph_dispatch`; ``replay_step(key,
+  step)`` replays with the tasks brought to the step, in the backend's order.
 * :class:`TaskRegistry` / :func:`call_task`: ops captured with step arguments that
-  ``update(key, step)`` refreshes once per step before replay.
+  each step's ``replay_step`` refreshes.
 * :func:`plan_capture` / :class:`CapturePlan`: capture sizes, padding, uniform-decode
   sizes, the device's graph budget; :func:`capture_all` captures with a progress bar
   and reports time and memory.
-* :class:`FullGraphManager`: capture phases (mixed, uniform decode), per-step mode
-  choice with eager fallback, static outputs.
 * :class:`MicroBatchRunner`: micro-batches overlapped on threads and streams,
   captured as one graph per split.
 """
@@ -22,7 +21,6 @@ from npu_graphs._version import __version__
 from npu_graphs.backends import GraphBackend, available_backends, get_backend, register_backend
 from npu_graphs.capture import CaptureReport, capture_all
 from npu_graphs.errors import GraphCaptureError, GraphReplayError, TaskUpdateError
-from npu_graphs.manager import BatchDescriptor, FullGraphManager, StepDispatch
 from npu_graphs.modes import DispatchState, RuntimeMode, current_dispatch, graph_dispatch
 from npu_graphs.planner import (
     NPU_STREAM_BUDGET,
@@ -50,11 +48,9 @@ from npu_graphs.wrapper import (
 
 __all__ = [
     "NPU_STREAM_BUDGET",
-    "BatchDescriptor",
     "CapturePlan",
     "CaptureReport",
     "DispatchState",
-    "FullGraphManager",
     "GraphBackend",
     "GraphCaptureError",
     "GraphEntry",
@@ -64,7 +60,6 @@ __all__ = [
     "MicroBatchRunner",
     "PerMicroBatch",
     "RuntimeMode",
-    "StepDispatch",
     "TaskIssue",
     "TaskRegistry",
     "TaskUpdateError",

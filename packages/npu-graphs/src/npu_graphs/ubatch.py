@@ -12,9 +12,9 @@ On the host backend the streams are stand-ins and the threads still take turns, 
 the recorded op order is the overlapped one; on CUDA (and NPU) the streams are real.
 
 Updatable tasks recorded inside micro-batch ``i`` belong to it
-(:func:`~npu_graphs.tasks.micro_batch_scope`): :meth:`MicroBatchRunner.update_tasks`
-hands each micro-batch's tasks that micro-batch's own step before a replay, so the
-halves may differ in size and content.
+(:func:`~npu_graphs.tasks.micro_batch_scope`): :meth:`MicroBatchRunner.replay_step`
+hands each micro-batch's tasks that micro-batch's own step, so the halves may differ
+in size and content.
 
 The bridge runs vLLM's micro-batch overlap (DBO) on it (``npu_vllm_bridge.graphs.
 ubatch_wrapper``). Tested on the host backend and on CUDA.
@@ -189,51 +189,28 @@ class MicroBatchRunner:
         (in the runner's graphs and its task registry)."""
         return (key, tuple(splits))
 
-    def update_tasks(self, key: Hashable, splits: Sequence[int], steps: Sequence[Any]) -> None:
-        """Before replaying the graph of ``splits`` under ``key``: bring the tasks of
-        micro-batch ``i`` to ``steps[i]``.
-
-        Raises:
-            ValueError: not one step per micro-batch, no task registry, or no graph.
-            TaskUpdateError: a step does not fit what its micro-batch captured.
-        """
-        update, _ = self._task_update(key, splits, steps)
-        update()
-
-    def replay_with_update(
+    def replay_step(
         self, key: Hashable, splits: Sequence[int], inputs: Any, steps: Sequence[Any]
     ) -> Any:
         """Replay the overlapped graph of ``splits`` under ``key`` with the tasks of
-        micro-batch ``i`` brought to ``steps[i]``, in the order the backend allows
-        (:meth:`GraphWrapper.replay_with_update`: on the NPU the replay is launched
-        first and each task waits on the device for its update); returns its outputs.
+        micro-batch ``i`` brought to ``steps[i]``, in the order the backend takes
+        (:meth:`GraphWrapper.replay_step`: on the NPU the replay is launched first and
+        each task waits on the device for its update); returns its outputs.
 
         Raises:
             ValueError: not one step per micro-batch, or no task registry.
             KeyError: no graph of ``splits`` under ``key``.
+            TaskUpdateError: a step does not fit what its micro-batch captured.
         """
         splits = tuple(splits)
-        update, graph_key = self._task_update(key, splits, steps)
-        return self._graph.replay_with_update(graph_key, update, inputs, splits)
-
-    def _task_update(
-        self, key: Hashable, splits: Sequence[int], steps: Sequence[Any]
-    ) -> tuple[Callable[[], None], Hashable]:
-        """The update bringing micro-batch ``i``'s tasks to ``steps[i]``, and the graph's key.
-
-        Raises:
-            ValueError: not one step per micro-batch, or no task registry.
-        """
         if len(steps) != len(splits):
             raise ValueError(
                 f"{len(splits)} micro-batches {list(splits)} need one step each, got {len(steps)}"
             )
-        tasks = self._graph.tasks
-        if tasks is None:
+        if self._graph.tasks is None:
             raise ValueError("this MicroBatchRunner has no task registry (tasks=) to update")
         graph_key = self.graph_key(key, splits)
-        per_micro_batch = PerMicroBatch(steps)
-        return lambda: tasks.update(graph_key, per_micro_batch), graph_key
+        return self._graph.replay_step(graph_key, PerMicroBatch(steps), inputs, splits)
 
     def reset(self) -> None:
         """Drop every captured overlapped graph and its tasks."""

@@ -78,9 +78,9 @@ class GraphWrapper:
     The caller owns the inputs: every call for one key must pass tensors at the same
     addresses (static buffers sliced to the key's size); ``debug_check_addresses``
     checks that on each replay. Step state that changes per step reaches captured ops
-    through updatable tasks (``tasks`` / :func:`~npu_graphs.call_task`), brought up to
-    date by ``TaskRegistry.update(key, step)`` before the call, or by
-    :meth:`replay_with_update` in the order the backend allows.
+    through updatable tasks (``tasks`` / :func:`~npu_graphs.call_task`): a replay with
+    its step is :meth:`replay_step`, which orders the update and the replay as the
+    backend takes them.
 
     Outputs: on backends with ``weak_ref_outputs`` (CUDA), outputs are non-owning views
     of the shared graph pool, valid until the next replay or capture of any graph in
@@ -203,26 +203,33 @@ class GraphWrapper:
             registry.finish_replay(key, entry.graph)
         return outputs
 
-    def replay_with_update(
-        self, key: Hashable, update: Callable[[], object], *args: Any, **kwargs: Any
-    ) -> Any:
-        """Replay the graph of ``key`` with ``update()`` bringing its tasks in this
-        wrapper's registry (``tasks``) to the step, in the order the backend allows;
-        returns the graph's outputs. ``update`` calls ``tasks.update(key, step)``.
+    def replay_step(self, key: Hashable, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """Replay the graph of ``key`` with its tasks (in this wrapper's registry,
+        ``tasks``) brought to ``step``, in the order the backend takes; returns the
+        graph's outputs.
 
-        * ``backend.updates_follow_replay`` (NPU), and no task of ``key`` takes fixed
-          device buffers: the replay is launched first, then ``update()`` runs while the
-          replay's tasks wait on the device for it; tasks it leaves alone are released
-          after it (as :meth:`replay` releases them).
-        * otherwise (host, CUDA): ``update()``, then :meth:`replay`.
+        * no task of ``key`` (or no registry): the replay alone; ``step`` is not read.
+        * ``backend.updates_follow_replay`` (NPU) and no task of ``key`` takes fixed
+          device buffers: the replay is launched first, then ``tasks.update(key, step)``
+          runs on the backend's update stream while the replay's tasks wait on the device
+          for it (each released by its event); tasks the step leaves alone are released
+          after it.
+        * otherwise ``tasks.update(key, step)`` first (CUDA: a copy into the fixed
+          buffers the graph reads; host: the recorded ops' arguments), then the replay.
+
+        ``args``/``kwargs``: this call's arguments (host graphs read their inputs at
+        replay; device graphs read the captured addresses).
 
         Raises:
             KeyError: no graph for ``key``.
+            TaskUpdateError: ``step`` does not fit what ``key`` captured.
         """
         entry = self._entry_of(key)
         tasks = self.tasks
-        if tasks is None or not self.backend.updates_follow_replay or tasks.has_fixed_buffers(key):
-            update()
+        if tasks is None or not tasks.num_tasks(key):
+            return self.replay(key, *args, **kwargs)
+        if not self.backend.updates_follow_replay or tasks.has_fixed_buffers(key):
+            tasks.update(key, step)
             return self.replay(key, *args, **kwargs)
         for registry in entry.registries:
             if registry is not tasks:
@@ -230,7 +237,7 @@ class GraphWrapper:
         outputs = self._launch(entry, args, kwargs)
         try:
             with tasks.after_replay(key, entry.graph):
-                update()
+                tasks.update(key, step)
         finally:
             for registry in entry.registries:
                 registry.finish_replay(key, entry.graph)

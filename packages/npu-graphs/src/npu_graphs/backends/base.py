@@ -49,7 +49,7 @@ class GraphBackend(abc.ABC):
     # the host launches the replay first and the update overlaps the graph's work up to
     # the first task. Backends whose replay runs its tasks with the arguments they hold
     # at launch (host) or that have no task update (CUDA) update before the replay.
-    # ``GraphWrapper.replay_with_update`` takes the order this names.
+    # ``GraphWrapper.replay_step`` takes the order this names.
     updates_follow_replay: ClassVar[bool] = False
 
     # -- graphs ---------------------------------------------------------------------

@@ -70,12 +70,11 @@ from npu_graphs import (
     graph_dispatch,
 )
 from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.full_graphs import graph_backend_name, per_layer_metadata
 from npu_vllm_bridge.graphs.wrapper import (
     BridgeGraphWrapper,
     RunnableProxy,
-    graph_backend_name,
     is_decode_step,
-    per_layer_metadata,
     track_wrapper,
 )
 from npu_vllm_bridge.settings import PREFIX, current_settings
@@ -324,13 +323,11 @@ class BridgeUBatchWrapper(RunnableProxy):
         counters = graph_counters()
         counters.replayed_steps += 1
         counters.split_replayed_steps += 1
-        if not self.tasks.num_tasks(self.runner.graph_key(key, splits)):
-            with graph_dispatch(RuntimeMode.FULL, key):
-                return self.runner(inputs, splits)
-        steps = [per_layer_metadata(md) for md in context.attn_metadata]
-        counters.task_updates += 1
-        counters.split_task_updates += 1
-        return self.runner.replay_with_update(key, splits, inputs, steps)
+        updated = bool(self.tasks.num_tasks(self.runner.graph_key(key, splits)))
+        steps = [per_layer_metadata(md) if updated else None for md in context.attn_metadata]
+        counters.task_updates += updated
+        counters.split_task_updates += updated
+        return self.runner.replay_step(key, splits, inputs, steps)
 
     def _capture(self, key: Any, splits: tuple, inputs: tuple) -> Any:
         """Capture both micro-batches of ``splits`` as one graph: at start-up, or

@@ -8,8 +8,9 @@ batch descriptors to capture, the capture inputs, the persistent output buffers)
 replaces ``capture``, ``dispatch`` and ``run_fullgraph``:
 
 * ``capture``: per descriptor, vLLM's warm-up forward, then the FULL forward captured by
-  an npu-graphs ``GraphWrapper`` keyed by the descriptor, the attention ops recorded as
-  tasks named after their layers (``attention/tasks.py``). PIECEWISE descriptors run
+  the bridge's graph component (:class:`~npu_vllm_bridge.graphs.full_graphs.FullGraphs`)
+  keyed by the descriptor, the attention ops recorded as tasks named after their layers
+  (``attention/tasks.py``). PIECEWISE descriptors run
   vLLM's compiled model, whose pieces the platform's ``BridgeGraphWrapper`` captures.
   With ``capture_on_first_use`` (host mode) nothing is captured at start-up: a FULL
   descriptor is captured when ``dispatch`` first picks it, before the step prepares its
@@ -21,8 +22,8 @@ replaces ``capture``, ``dispatch`` and ``run_fullgraph``:
   than the largest graph logged once.
 * ``run_fullgraph(desc)``: the step's ``{layer_name: attn_metadata}`` (left by the model
   runner in :attr:`BridgeModelGraphManager.step_attn_metadata`, from the model state's
-  ``prepare_attn``) updates the tasks around the replay, in the order the graph backend
-  takes (``updates_follow_replay``).
+  ``prepare_attn``) goes to ``FullGraphs.replay``, which replays with the tasks brought
+  to it in the order the graph backend takes (npu-graphs' ``replay_step``).
 
 The model runners install the class where vLLM builds its manager (see
 ``graphs/v2_runner.py``).
@@ -30,11 +31,9 @@ The model runners install the class where vLLM builds its manager (see
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
-from vllm.compilation.counter import compilation_counter
 from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.cudagraph_utils import (
@@ -44,18 +43,10 @@ from vllm.v1.worker.gpu.cudagraph_utils import (
     ModelCudaGraphManager,
 )
 
-from npu_graphs import (
-    GraphWrapper,
-    RuntimeMode,
-    TaskRegistry,
-    capture_all,
-    get_backend,
-    graph_dispatch,
-)
+from npu_graphs import capture_all
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
-from npu_vllm_bridge.graphs.counters import count_eager_step, graph_counters
-from npu_vllm_bridge.graphs.memory_estimate import fit_own_bytes, sample_descs
-from npu_vllm_bridge.graphs.wrapper import graph_backend_name, per_layer_metadata
+from npu_vllm_bridge.graphs.counters import count_eager_step
+from npu_vllm_bridge.graphs.full_graphs import MODEL, FullGraphs
 from npu_vllm_bridge.settings import current_settings
 
 logger = init_logger(f"vllm.{__name__}")
@@ -68,24 +59,29 @@ class NpuGraphsCapture(CudaGraphManager):
     bases, so that vLLM's model capture (inputs, outputs) calls this capture loop.
     """
 
-    wrapper: GraphWrapper | None = None  # vLLM's ``graphs`` maps descriptors to its entries
-    tasks: TaskRegistry | None = None
+    full: FullGraphs | None = None  # vLLM's ``graphs`` maps descriptors to its entries
     step_attn_metadata: dict[str, Any] | None = None
     capture_on_first_use: bool = False
     profiled_bytes: int = 0  # the estimate of vLLM's memory profiling capture
     _create_forward_fn: CreateForwardFn | None = None
 
-    def set_up_graphs(self, name: str, tasks: TaskRegistry) -> None:
-        """Capture into a ``GraphWrapper`` named ``name`` of the platform's graph
-        backend, in vLLM's pool, its attention tasks in ``tasks``."""
-        self.tasks = tasks
-        self.wrapper = GraphWrapper(
+    def set_up_graphs(
+        self,
+        name: str,
+        expected_tasks: int | None,
+        role: str = MODEL,
+        task_label: str = "attention",
+    ) -> None:
+        """Capture into a :class:`FullGraphs` named ``name`` of the platform's graph
+        backend, in vLLM's pool, each graph recording ``expected_tasks`` attention tasks
+        (``None``: unchecked); ``role``: whose counters it counts in."""
+        self.full = FullGraphs(
             _run_forward,
-            backend=get_backend(graph_backend_name()),
-            mode=RuntimeMode.FULL,
-            pool=self.pool,
-            tasks=tasks,
             name=name,
+            expected_tasks=expected_tasks,
+            role=role,
+            pool=self.pool,
+            task_label=task_label,
         )
 
     def capture(
@@ -95,7 +91,7 @@ class NpuGraphsCapture(CudaGraphManager):
         first in each); with ``capture_on_first_use``, none (``dispatch`` captures them);
         under vLLM's memory profiling, a sample (:attr:`profiled_bytes` gets the
         estimate of all)."""
-        if self.wrapper is None:
+        if self.full is None:
             raise ValueError("capture(create_forward_fn) before the model's capture set up graphs")
         self._create_forward_fn = create_forward_fn
         if self._capture_mem_samples is not None:
@@ -106,7 +102,7 @@ class NpuGraphsCapture(CudaGraphManager):
                 sum(len(descs) for descs in self._capture_descs.values()),
             )
         else:
-            backend = self.wrapper.backend
+            backend = self.full.backend
             for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
                 capture_all(
                     self._capture_descs.get(mode, []),
@@ -119,35 +115,27 @@ class NpuGraphsCapture(CudaGraphManager):
     def _profile(self, create_forward_fn: CreateForwardFn) -> int:
         """Capture the largest and smallest descriptor of each mode; return the bytes
         all of them would hold (each graph's own, fit on the samples, plus the pool)."""
-        backend = self.wrapper.backend
+        backend = self.full.backend
         own_total = 0
         _, pool_before = backend.memory_breakdown()
         for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
-            descs = self._capture_descs.get(mode, [])
-            if not descs:
-                continue
-            samples = []
-            for desc in sample_descs(descs):
-                before, _ = backend.memory_breakdown()
-                self._capture_one(create_forward_fn, desc)
-                after, _ = backend.memory_breakdown()
-                samples.append((desc.num_tokens, after - before))
-            own_total += fit_own_bytes(samples, [desc.num_tokens for desc in descs])
+            own_total += self.full.estimate_bytes(
+                self._capture_descs.get(mode, []),
+                lambda desc: self._capture_one(create_forward_fn, desc),
+            )
         _, pool_after = backend.memory_breakdown()
         return own_total + max(pool_after - pool_before, 0)
 
-    def _capture_one(self, create_forward_fn: CreateForwardFn, desc: Any) -> None:
+    def _capture_one(
+        self, create_forward_fn: CreateForwardFn, desc: Any, at_first_use: bool = False
+    ) -> None:
         warmup = create_forward_fn(desc, warmup=True)
         warmup(CUDAGraphMode.NONE)  # also allocates the persistent outputs, outside graphs
         if desc.cg_mode == CUDAGraphMode.PIECEWISE:
             warmup(CUDAGraphMode.PIECEWISE)  # the compiled model's pieces capture themselves
             return
-        forward_fn = create_forward_fn(desc, warmup=False)
-        with graph_dispatch(RuntimeMode.FULL, desc):
-            self.wrapper(forward_fn)
-        self.graphs[desc] = self.wrapper.entry(desc)
-        compilation_counter.num_cudagraph_captured += 1
-        self._count_capture()
+        self.full.capture(desc, create_forward_fn(desc, warmup=False), at_first_use=at_first_use)
+        self.graphs[desc] = self.full.entry(desc)
 
     def dispatch(
         self,
@@ -172,19 +160,12 @@ class NpuGraphsCapture(CudaGraphManager):
     def _capture_at_first_use(self, desc: BatchExecutionDescriptor) -> None:
         if self._create_forward_fn is None:
             raise ValueError(f"FULL graph {desc} dispatched before the model's capture")
-        counters = graph_counters()
-        start = time.perf_counter()
         with torch.inference_mode():
-            self._capture_one(self._create_forward_fn, desc)
-        counters.capture_seconds += time.perf_counter() - start
-        counters.capture_bytes = self.wrapper.backend.memory_in_use()
+            self._capture_one(self._create_forward_fn, desc, at_first_use=True)
 
     def run_fullgraph(self, desc: BatchExecutionDescriptor) -> None:
         """Replay ``desc``'s graph with its attention tasks brought to the step's
-        metadata, in the order the graph backend takes (``updates_follow_replay``): on
-        the NPU the replay is launched first and the update follows on the backend's
-        update stream, each task released by its event; on the host the update comes
-        first.
+        metadata (``FullGraphs.replay``: the order is the graph backend's).
 
         Raises:
             ValueError: no step metadata was left since the last replay.
@@ -195,24 +176,7 @@ class NpuGraphsCapture(CudaGraphManager):
                 f"FULL graph replay of {desc} without the step's attention metadata: "
                 "the model state's prepare_attn did not run for this step"
             )
-        updated = bool(self.tasks.num_tasks(desc))
-        self._count_replay(updated)
-        if not updated:
-            self.wrapper.replay(desc)
-            return
-        self.wrapper.replay_with_update(desc, lambda: self._update_tasks(desc, attn_metadata))
-
-    def _update_tasks(self, desc: BatchExecutionDescriptor, attn_metadata: Any) -> None:
-        self.tasks.update(desc, per_layer_metadata(attn_metadata))
-
-    # What the bridge's counters count (a drafter's manager counts apart).
-    def _count_capture(self) -> None:
-        graph_counters().captured += 1
-
-    def _count_replay(self, updated: bool) -> None:
-        counters = graph_counters()
-        counters.replayed_steps += 1
-        counters.task_updates += updated
+        self.full.replay(desc, attn_metadata)
 
     def _count_dispatch(
         self, desc: BatchExecutionDescriptor, num_tokens: int, uniform_token_count: int | None
@@ -240,10 +204,7 @@ class BridgeModelGraphManager(ModelCudaGraphManager, NpuGraphsCapture):
                 "the bridge captures PIECEWISE graphs through vLLM's compiled pieces"
             )
         self.set_up_graphs(
-            f"{type(model).__name__}[FULL]",
-            TaskRegistry(
-                "attention", expected_tasks=count_attention_tasks(self.vllm_config, model)
-            ),
+            f"{type(model).__name__}[FULL]", count_attention_tasks(self.vllm_config, model)
         )
         self.capture_on_first_use = current_settings().capture_on_first_use
         super().capture(model, *args, **kwargs)

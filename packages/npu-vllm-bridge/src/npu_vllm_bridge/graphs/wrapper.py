@@ -3,8 +3,10 @@
 vLLM sets, per forward, a ``CUDAGraphMode`` runtime mode and a ``BatchDescriptor``
 in its forward context. This wrapper maps them to npu-graphs' ``RuntimeMode`` and
 batch key: a wrapper whose mode matches captures the key on first sight (during
-start-up capture) and replays it afterwards; before a FULL replay it re-issues the
-captured attention tasks with the step's plan.
+start-up capture) and replays it afterwards. A FULL wrapper is a thin adapter over the
+bridge's graph component (:class:`~npu_vllm_bridge.graphs.full_graphs.FullGraphs`),
+whose replay brings the captured attention tasks to the step's plan in the order the
+graph backend takes; a PIECEWISE wrapper (no tasks) holds an npu-graphs ``GraphWrapper``.
 """
 
 from __future__ import annotations
@@ -23,25 +25,15 @@ from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.sequence import IntermediateTensors
 
-from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, get_backend, graph_dispatch
+from npu_graphs import GraphWrapper, RuntimeMode, get_backend, graph_dispatch
 from npu_vllm_bridge.graphs.counters import count_eager_step, graph_counters
+from npu_vllm_bridge.graphs.full_graphs import FullGraphs, graph_backend_name
 from npu_vllm_bridge.settings import current_settings
 
 _RUNTIME_MODES = {
     CUDAGraphMode.FULL: RuntimeMode.FULL,
     CUDAGraphMode.PIECEWISE: RuntimeMode.PIECEWISE,
 }
-
-
-def graph_backend_name() -> str:
-    """The npu-graphs backend of the current platform (``npu`` or ``host``)."""
-    name = current_settings().graph_backend
-    if name is None:
-        raise ValueError(
-            "the current platform's bridge_settings name no npu-graphs backend "
-            "(graph_backend); the bridge's graph wrapper needs one"
-        )
-    return name
 
 
 _WRAPPERS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -111,19 +103,24 @@ class BridgeGraphWrapper(RunnableProxy):
         self.vllm_config = vllm_config
         self.runtime_mode = runtime_mode
         self.graph_mode = _RUNTIME_MODES[runtime_mode]
-        self.tasks = (
-            TaskRegistry("attention", expected_tasks=num_attention_layers)
-            if runtime_mode == CUDAGraphMode.FULL
-            else None
-        )
         self.capture_on_first_use = current_settings().capture_on_first_use
-        self.graphs = GraphWrapper(
-            StageTensorsAdapter(runnable),
-            backend=get_backend(graph_backend or graph_backend_name()),
-            mode=self.graph_mode,
-            tasks=self.tasks,
-            name=f"{type(runnable).__name__}[{runtime_mode.name}]",
-        )
+        name = f"{type(runnable).__name__}[{runtime_mode.name}]"
+        backend = get_backend(graph_backend or graph_backend_name())
+        self.full: FullGraphs | None = None
+        if runtime_mode == CUDAGraphMode.FULL:
+            self.full = FullGraphs(
+                StageTensorsAdapter(runnable),
+                name=name,
+                expected_tasks=num_attention_layers,
+                backend=backend,
+            )
+            self.graphs = self.full.graphs
+            self.tasks = self.full.tasks
+        else:
+            self.graphs = GraphWrapper(
+                StageTensorsAdapter(runnable), backend=backend, mode=self.graph_mode, name=name
+            )
+            self.tasks = None
         # One wrapper per model forward counts steps: the FULL one, else the first piece.
         if first_piece is None:
             first_piece = bool(getattr(runnable, "is_first_graph", False))
@@ -147,24 +144,31 @@ class BridgeGraphWrapper(RunnableProxy):
         if key is None:
             raise ValueError(f"{self.runtime_mode.name} graph dispatch without a batch descriptor")
         args, kwargs = to_stage_tensors((args, kwargs))
-        if self.graphs.has_graph(key):
-            self._before_replay(key, context.attn_metadata)
-            with graph_dispatch(self.graph_mode, key):
-                return from_stage_tensors(self.graphs(*args, **kwargs))
-        return from_stage_tensors(self._capture(key, args, kwargs))
+        if not self.graphs.has_graph(key):
+            return from_stage_tensors(self._capture(key, args, kwargs))
+        if self.full is not None:
+            return from_stage_tensors(self.full.replay(key, context.attn_metadata, *args, **kwargs))
+        counters = graph_counters()
+        counters.replayed_pieces += 1
+        counters.piecewise_steps += self.first_piece
+        with graph_dispatch(self.graph_mode, key):
+            return from_stage_tensors(self.graphs(*args, **kwargs))
 
     def _capture(self, key: Any, args: tuple, kwargs: dict) -> Any:
-        """Capture ``key``: at start-up, or (``capture_on_first_use``) at its first step."""
-        at_start_up = monitor.cudagraph_capturing_enabled
+        """Capture ``key``: at start-up, or (``capture_on_first_use``) at its first step
+        (start-up captures' time and memory are counted by the runner)."""
+        at_first_use = not monitor.cudagraph_capturing_enabled
         if not self.capture_on_first_use:
             validate_cudagraph_capturing_enabled()
+        if self.full is not None:
+            return self.full.capture(key, *args, at_first_use=at_first_use, **kwargs)
         start = time.perf_counter()
         with graph_dispatch(self.graph_mode, key):
             outputs = self.graphs(*args, **kwargs)
         counters = graph_counters()
         counters.captured += 1
         compilation_counter.num_cudagraph_captured += 1  # as vLLM's CUDAGraphWrapper counts
-        if not at_start_up:  # start-up captures are counted by the runner
+        if at_first_use:
             counters.capture_seconds += time.perf_counter() - start
             counters.capture_bytes = self.graphs.backend.memory_in_use()
         return outputs
@@ -175,17 +179,6 @@ class BridgeGraphWrapper(RunnableProxy):
             self.vllm_config.compilation_config.max_cudagraph_capture_size,
             lambda: is_decode_step(attn_metadata),
         )
-
-    def _before_replay(self, key: Any, attn_metadata: Any) -> None:
-        counters = graph_counters()
-        if self.tasks is None:
-            counters.replayed_pieces += 1
-            counters.piecewise_steps += self.first_piece
-            return
-        counters.replayed_steps += 1
-        if self.tasks.num_tasks(key):
-            self.tasks.update(key, per_layer_metadata(attn_metadata))
-            counters.task_updates += 1
 
     def has_graph(self, key: Any) -> bool:
         return self.graphs.has_graph(key)
@@ -245,18 +238,3 @@ def is_decode_step(attn_metadata: Any) -> bool:
         return False
     plan = getattr(next(iter(attn_metadata.values())), "plan", None)
     return getattr(plan, "num_prefills", None) == 0
-
-
-def per_layer_metadata(attn_metadata: Any) -> dict[str, Any]:
-    """The step's ``{layer_name: attn_metadata}``: each attention task takes its layer's.
-
-    Raises:
-        ValueError: vLLM's forward context holds no per-layer dict (micro-batched
-            steps pass a list of them, which the bridge's FULL graphs do not run).
-    """
-    if not isinstance(attn_metadata, dict):
-        raise ValueError(
-            "FULL graph replay needs the step's attention metadata as {layer_name: metadata}, "
-            f"got {type(attn_metadata).__name__}"
-        )
-    return attn_metadata
