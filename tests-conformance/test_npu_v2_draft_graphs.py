@@ -124,11 +124,11 @@ def test_the_drafter_manager_captures_npu_graphs_with_a_task_group_per_layer(sta
     calls = stand_in.log.calls[start:]
     (capture,) = [call for call in calls if call.name == "torch.npu.graph.__call__"]
     assert capture.arguments["pool"] is manager.pool
-    assert capture.arguments["stream"] is manager.wrapper.stream
+    assert capture.arguments["stream"] is manager.full.graphs.stream
     names = [call.name for call in calls]
     assert names.count("torch.npu.graph_task_group_begin") == len(LAYERS)
-    assert manager.wrapper.backend.name == "npu" and drafter.desc in manager.graphs
-    assert manager.tasks.num_tasks(drafter.desc) == len(LAYERS)
+    assert manager.full.backend.name == "npu" and drafter.desc in manager.graphs
+    assert manager.full.tasks.num_tasks(drafter.desc) == len(LAYERS)
     assert not stand_in.npu.runtime.held_replays()
     drafter.check(1)  # the replay right after the capture
 
@@ -143,7 +143,7 @@ def test_each_draft_step_launches_its_replay_before_its_task_update(stand_in, dr
         begins = [i for i, name in enumerate(names) if name == "torch.npu.graph_task_update_begin"]
         assert len(begins) == len(LAYERS) and replay < begins[0]
         update_stream = calls[begins[0]].arguments["stream"]
-        assert update_stream is not drafter.decode_cudagraph_manager.wrapper.stream
+        assert update_stream is not drafter.decode_cudagraph_manager.full.graphs.stream
         records = [c for c in calls if c.name == "torch.npu.ExternalEvent.record"]
         assert len(records) == len(LAYERS)
         assert all(record.arguments["stream"] is update_stream for record in records)
@@ -152,7 +152,8 @@ def test_each_draft_step_launches_its_replay_before_its_task_update(stand_in, dr
 
 def test_a_skipped_draft_step_update_is_caught(stand_in, drafter, monkeypatch):
     drafter.capture()
-    monkeypatch.setattr(BridgeSpeculatorGraphManager, "_update_tasks", lambda self, d, md: None)
+    tasks = drafter.decode_cudagraph_manager.full.tasks
+    monkeypatch.setattr(type(tasks), "update", lambda self, key, step: None)
     monkeypatch.setattr(DraftStepSpeculator, "check", lambda self, step: None)
     drafter.draft_steps((2,))
     assert not stand_in.npu.runtime.held_replays()  # released, not hung

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator as multi_module_mtp
 import vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator as target_dependent_ar
 from vllm.config import CUDAGraphMode
@@ -23,6 +24,7 @@ from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import (
 )
 
 from npu_vllm_bridge.graphs.counters import graph_counters, reset_graph_counters
+from npu_vllm_bridge.graphs.full_graphs import DRAFTER, FullGraphs
 from npu_vllm_bridge.graphs.v2_draft_graphs import (
     BridgeSpeculatorGraphManager,
     drafter_graph_bytes,
@@ -70,25 +72,9 @@ class HookedRunner(GraphManagerHook, VllmLikeRunner):
     pass
 
 
-def _manager(cls: type, calls: list | None = None, num_tasks: int = 1) -> Any:
-    """A manager of ``cls`` without vLLM's set-up; with ``calls``, stand-ins for its task
-    registry and graph wrapper that log the update and the replay."""
-    manager = cls.__new__(cls)
-    if calls is not None:
-        manager.tasks = SimpleNamespace(
-            num_tasks=lambda desc: num_tasks,
-            update=lambda desc, step: calls.append(("update", step)),
-        )
-
-        def replay_with_update(desc, update) -> None:
-            update()
-            calls.append(("replay", desc))
-
-        manager.wrapper = SimpleNamespace(
-            replay=lambda desc: calls.append(("replay", desc)),
-            replay_with_update=replay_with_update,
-        )
-    return manager
+def _manager(cls: type) -> Any:
+    """A manager of ``cls`` without vLLM's set-up."""
+    return cls.__new__(cls)
 
 
 def _hooked_runner() -> HookedRunner:
@@ -151,18 +137,28 @@ def test_the_names_the_hook_reads_are_vllms() -> None:
     )
 
 
-def test_a_draft_replay_updates_its_tasks_first_and_counts_apart_from_the_target() -> None:
+def test_a_draft_replay_runs_the_drafters_graph_and_counts_apart_from_the_target() -> None:
+    """The manager's graph component (a host graph of ``2 * buffer``, the drafter's
+    role) replays with the step's metadata left for it, once per metadata: its output
+    follows the buffer as eager would, and the replay counts as the drafter's."""
     reset_graph_counters()
-    calls: list = []
-    manager = _manager(BridgeSpeculatorGraphManager, calls)
-    step = {"draft layer": object()}
-    manager.step_attn_metadata = step
+    buffer = torch.ones(3)
+    manager = _manager(BridgeSpeculatorGraphManager)
+    manager.full = FullGraphs(
+        lambda: buffer * 2, name="draft", expected_tasks=0, role=DRAFTER, backend="host"
+    )
+    manager.full.capture(DESC)
+    buffer.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    manager.step_attn_metadata = {"draft layer": object()}
+    outputs = manager.full.replay(DESC, manager.step_attn_metadata)
+    manager.step_attn_metadata = {"draft layer": object()}
     manager.run_fullgraph(DESC)
-    assert calls == [("update", step), ("replay", DESC)]
     assert manager.step_attn_metadata is None  # one metadata serves one replay
+    torch.testing.assert_close(outputs, buffer * 2, rtol=0, atol=0)
     counters = graph_counters()
-    assert (counters.draft_replayed_steps, counters.draft_task_updates) == (1, 1)
+    assert (counters.draft_captured, counters.draft_replayed_steps) == (1, 2)
     assert (counters.replayed_steps, counters.task_updates) == (0, 0)
+    assert manager.full.counts.replayed == 2
     with pytest.raises(ValueError, match="without the step's attention metadata"):
         manager.run_fullgraph(DESC)
 

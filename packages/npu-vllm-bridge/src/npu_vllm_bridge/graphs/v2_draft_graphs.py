@@ -21,18 +21,19 @@ context:
 
 :class:`BridgeSpeculatorGraphManager` keeps vLLM's manager (its descriptors, the dummy
 inputs and metadata it builds for each capture, ``specialize_spec_tokens``) and
-captures through the target's npu-graphs capture loop
-(:class:`~npu_vllm_bridge.graphs.v2_graphs.NpuGraphsCapture`) into a wrapper and task
-registry of its own. It captures at start-up, also where the target's graphs are
+captures through the target's capture loop
+(:class:`~npu_vllm_bridge.graphs.v2_graphs.NpuGraphsCapture`) into a graph component of
+its own (:class:`~npu_vllm_bridge.graphs.full_graphs.FullGraphs`, role ``DRAFTER``: its
+own task registry, its replays counted as the drafter's). It captures at start-up, also where the target's graphs are
 captured at first use (``capture_on_first_use``): a drafter dispatches after its step
 has filled the persistent buffers that a capture's dummy forward writes (input ids,
 positions, hidden states, draft tokens), so a capture at that point would overwrite
 the step. The runner hook (``graphs/v2_runner.py``) installs the class and hands each
 manager the metadata of its next replay (:func:`leave_draft_metadata_with_graphs`).
 
-Counted apart from the target's graphs: ``draft_captured`` (also in ``captured``, as
-vLLM counts them in ``num_cudagraph_captured``), ``draft_replayed_steps``,
-``draft_task_updates`` and ``draft_other_forwards`` (dispatches to PIECEWISE or eager).
+Counted apart from the target's graphs (by the component): ``draft_captured`` (also in
+``captured``), ``draft_replayed_steps``, ``draft_task_updates``; here
+``draft_other_forwards`` (dispatches to PIECEWISE or eager).
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import (
     SpeculatorCudaGraphManager,
 )
 
-from npu_graphs import TaskRegistry
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.full_graphs import DRAFTER
 from npu_vllm_bridge.graphs.v2_graphs import NpuGraphsCapture
 
 # The speculator attributes that hold its graph managers, by where their replays'
@@ -80,23 +81,15 @@ class BridgeSpeculatorGraphManager(SpeculatorCudaGraphManager, NpuGraphsCapture)
         name = getattr(forward_fn, "__name__", "draft").lstrip("_")
         self.set_up_graphs(
             f"{type(model).__name__}.{name}[FULL]",
-            TaskRegistry(f"draft attention ({name})", expected_tasks=expected),
+            expected,
+            role=DRAFTER,
+            task_label=f"draft attention ({name})",
         )
         self.capture_on_first_use = False
-        backend = self.wrapper.backend
+        backend = self.full.backend
         before = backend.memory_in_use()
         super().capture(forward_fn, *args, **kwargs)
         self.captured_bytes = backend.memory_in_use() - before
-
-    def _count_capture(self) -> None:
-        counters = graph_counters()
-        counters.captured += 1
-        counters.draft_captured += 1
-
-    def _count_replay(self, updated: bool) -> None:
-        counters = graph_counters()
-        counters.draft_replayed_steps += 1
-        counters.draft_task_updates += updated
 
     def _count_dispatch(
         self, desc: BatchExecutionDescriptor, num_tokens: int, uniform_token_count: int | None
