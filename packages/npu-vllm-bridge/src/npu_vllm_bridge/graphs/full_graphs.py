@@ -46,7 +46,7 @@ from npu_graphs import (
     graph_dispatch,
 )
 from npu_vllm_bridge.graphs.counters import graph_counters
-from npu_vllm_bridge.graphs.memory_estimate import fit_own_bytes, sample_descs
+from npu_vllm_bridge.graphs.memory_estimate import estimate_own_bytes
 from npu_vllm_bridge.settings import current_settings
 
 MODEL = "model"
@@ -192,19 +192,11 @@ class FullGraphs:
 
     # -- memory estimate ----------------------------------------------------------------
     def estimate_bytes(self, descs: Sequence[Any], capture_one: Callable[[Any], None]) -> int:
-        """The bytes the graphs of ``descs`` (each with ``num_tokens``) keep for their own:
-        ``capture_one`` captures the largest and the smallest, each graph's own bytes are
-        fit as ``a + b * num_tokens`` and summed over ``descs``. The shared pool is not
-        included (it counts once, measured by the caller around all groups)."""
-        if not descs:
-            return 0
-        samples = []
-        for desc in sample_descs(descs):
-            before, _ = self.backend.memory_breakdown()
-            capture_one(desc)
-            after, _ = self.backend.memory_breakdown()
-            samples.append((desc.num_tokens, after - before))
-        return fit_own_bytes(samples, [desc.num_tokens for desc in descs])
+        """The bytes the graphs of ``descs`` keep for their own, from capturing the
+        largest and the smallest (``capture_one(desc)``) and a linear fit
+        (:func:`~npu_vllm_bridge.graphs.memory_estimate.estimate_own_bytes`; the shared
+        pool is the caller's to measure, once around every group)."""
+        return estimate_own_bytes(self.backend, descs, capture_one)
 
     # -- bookkeeping --------------------------------------------------------------------
     def has_graph(self, key: Hashable) -> bool:

@@ -8,8 +8,10 @@ and counts once. Capturing the largest and the smallest size of a group and fitt
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from npu_graphs import GraphBackend
 
 
 def sample_descs(descs: Sequence[Any]) -> list[Any]:
@@ -30,3 +32,22 @@ def fit_own_bytes(samples: Sequence[tuple[int, int]], sizes: Iterable[int]) -> i
     (n_big, m_big), (n_small, m_small) = samples[0], samples[-1]
     slope = (m_big - m_small) / (n_big - n_small) if n_big != n_small else 0.0
     return int(sum(m_small + slope * (size - n_small) for size in sizes))
+
+
+def estimate_own_bytes(
+    backend: GraphBackend, descs: Sequence[Any], capture_one: Callable[[Any], None]
+) -> int:
+    """The bytes the graphs of ``descs`` (each with ``num_tokens``) keep for their own:
+    ``capture_one(desc)`` captures the largest and the smallest, each graph's own bytes
+    (``backend.memory_breakdown()``) are fit as ``a + b * num_tokens`` and summed over
+    ``descs``. The pool the replays share is not included: it counts once, measured by
+    the caller around every group."""
+    if not descs:
+        return 0
+    samples = []
+    for desc in sample_descs(descs):
+        before, _ = backend.memory_breakdown()
+        capture_one(desc)
+        after, _ = backend.memory_breakdown()
+        samples.append((desc.num_tokens, after - before))
+    return fit_own_bytes(samples, [desc.num_tokens for desc in descs])

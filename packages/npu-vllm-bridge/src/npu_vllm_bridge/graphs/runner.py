@@ -23,7 +23,7 @@ from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
 from npu_graphs import GraphBackend, capture_all, get_backend
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
-from npu_vllm_bridge.graphs.memory_estimate import fit_own_bytes, sample_descs
+from npu_vllm_bridge.graphs.memory_estimate import estimate_own_bytes
 from npu_vllm_bridge.graphs.ubatch_wrapper import (
     BridgeUBatchWrapper,
     vllm_ubatch_wrapper_bypassed,
@@ -199,14 +199,12 @@ class GraphRunnerMixin:
         self, backend: GraphBackend, runtime_mode: CUDAGraphMode, descs: list
     ) -> int:
         """Sum over ``descs`` of each graph's own bytes, fit on the largest and smallest."""
-        samples = []
-        for desc in sample_descs(descs):
-            before, _ = backend.memory_breakdown()
-            self._warmup_and_capture(  # type: ignore[attr-defined]
+        return estimate_own_bytes(
+            backend,
+            descs,
+            lambda desc: self._warmup_and_capture(  # type: ignore[attr-defined]
                 desc,
                 cudagraph_runtime_mode=runtime_mode,
                 allow_microbatching=self._split_at_capture(runtime_mode, desc),
-            )
-            after, _ = backend.memory_breakdown()
-            samples.append((desc.num_tokens, after - before))
-        return fit_own_bytes(samples, [desc.num_tokens for desc in descs])
+            ),
+        )
