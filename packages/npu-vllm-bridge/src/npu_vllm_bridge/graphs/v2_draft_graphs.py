@@ -47,6 +47,7 @@ from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import (
     SpeculatorCudaGraphManager,
 )
 
+from npu_vllm_bridge import vllm_seam
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.full_graphs import DRAFTER
@@ -110,26 +111,31 @@ def leave_draft_metadata_with_graphs(speculator: Any) -> None:
     metadata of its next FULL replay: ``propose``'s ``attn_metadata`` (the target
     step's) to the draft prefill's, each metadata from ``_build_attn_metadata`` (a
     draft step's, or multi-module MTP's proposal's) to the others. Both are instance
-    attributes over vLLM's methods; a speculator without them is left alone."""
-    for name in ("propose", "_build_attn_metadata"):
-        if not callable(getattr(speculator, name, None)):
-            return
-    propose = speculator.propose
-    signature = inspect.signature(propose)
-    build = speculator._build_attn_metadata
+    patches through ``vllm_seam``; a speculator without them is left alone."""
+    entries = (vllm_seam.V2_SPECULATOR_PROPOSE, vllm_seam.V2_SPECULATOR_BUILD_ATTN_METADATA)
+    if not all(callable(vllm_seam.get_attribute(speculator, e, None)) for e in entries):
+        return
 
-    def propose_leaving_metadata(*args: Any, **kwargs: Any) -> Any:
-        attn_metadata = signature.bind(*args, **kwargs).arguments["attn_metadata"]
-        _leave(speculator, TARGET_METADATA_MANAGERS, attn_metadata)
-        return propose(*args, **kwargs)
+    def leaving_target_metadata(propose: Any) -> Any:
+        signature = inspect.signature(propose)
 
-    def build_leaving_metadata(*args: Any, **kwargs: Any) -> Any:
-        attn_metadata = build(*args, **kwargs)
-        _leave(speculator, OWN_METADATA_MANAGERS, attn_metadata)
-        return attn_metadata
+        def propose_leaving_metadata(*args: Any, **kwargs: Any) -> Any:
+            attn_metadata = signature.bind(*args, **kwargs).arguments["attn_metadata"]
+            _leave(speculator, TARGET_METADATA_MANAGERS, attn_metadata)
+            return propose(*args, **kwargs)
 
-    speculator.propose = propose_leaving_metadata
-    speculator._build_attn_metadata = build_leaving_metadata
+        return propose_leaving_metadata
+
+    def leaving_own_metadata(build: Any) -> Any:
+        def build_leaving_metadata(*args: Any, **kwargs: Any) -> Any:
+            attn_metadata = build(*args, **kwargs)
+            _leave(speculator, OWN_METADATA_MANAGERS, attn_metadata)
+            return attn_metadata
+
+        return build_leaving_metadata
+
+    vllm_seam.wrap_instance_method(speculator, entries[0], leaving_target_metadata)
+    vllm_seam.wrap_instance_method(speculator, entries[1], leaving_own_metadata)
 
 
 def _leave(speculator: Any, names: tuple[str, ...], attn_metadata: Any) -> None:
