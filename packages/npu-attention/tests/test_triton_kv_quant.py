@@ -197,7 +197,7 @@ def test_gpu_hopper_decode_over_8bit_pages(
     """The Gluon decode reads the 8-bit pages: decodes ending around page edges, a
     speculative decode, one long request split over programs, more programs than
     multiprocessors (taken for the kinds ``hopper_decode_multi_wave_8bit`` names); bfloat16 and
-    float16."""
+    float16; 16-token pages (several a key tile) and 128-token pages (a tile inside one)."""
     provider = get_provider("triton", torch.device("cuda"))
     monkeypatch.setattr(provider, "hopper_decode_multi_wave_8bit", (kind,))
     kernels = triton_provider._hopper_decode_kernels(torch.device("cuda"))
@@ -207,21 +207,23 @@ def test_gpu_hopper_decode_over_8bit_pages(
         lambda kw: (kw["num_splits"], kw["k_scale"] is not None),
     )  # fmt: skip
     many = torch.cuda.get_device_properties(0).multi_processor_count // 4 + 3
-    batches = {  # (query_lens, context_lens, num_speculative_tokens, dtype)
-        "page_edges": ([1] * 4, [15, 16, 17, 1300], 0, torch.bfloat16),
-        "spec_decoding": ([3, 3], [5, 290], 2, torch.bfloat16),
-        "split": ([1], [3000], 0, torch.bfloat16),
-        "multi_wave": ([1] * many, [100 + 37 * i for i in range(many)], 0, torch.bfloat16),
-        "float16": ([1, 1], [63, 700], 0, torch.float16),
+    batches = {  # (query_lens, context_lens, num_speculative_tokens, dtype, block_size)
+        "page_edges": ([1] * 4, [15, 16, 17, 1300], 0, torch.bfloat16, 16),
+        "spec_decoding": ([3, 3], [5, 290], 2, torch.bfloat16, 16),
+        "split": ([1], [3000], 0, torch.bfloat16, 16),
+        "multi_wave": ([1] * many, [100 + 37 * i for i in range(many)], 0, torch.bfloat16, 16),
+        "float16": ([1, 1], [63, 700], 0, torch.float16, 16),
+        "page_edges_128": ([1] * 4, [63, 128, 129, 1300], 0, torch.bfloat16, 128),
+        "split_128": ([1], [3000], 0, torch.bfloat16, 128),
     }
-    for name, (q, ctx, spec_tokens, dtype) in batches.items():
-        spec = AttentionSpec(8, 4, head_size, 16, dtype=dtype, kv_cache_dtype=kind,
+    for name, (q, ctx, spec_tokens, dtype, block_size) in batches.items():
+        spec = AttentionSpec(8, 4, head_size, block_size, dtype=dtype, kv_cache_dtype=kind,
                              num_speculative_tokens=spec_tokens)  # fmt: skip
         case = make_case(spec, q, ctx, len(q), pad_tokens=2, seed=head_size, device="cuda")
         launches.clear()
         out, quant, step = run_quantized(case, provider="triton")
         assert launches and all(scaled for _, scaled in launches), name
-        if name == "split":
+        if name.startswith("split"):
             assert launches[0][0] > 1
         _check(case, out, quant, step)
 
