@@ -546,30 +546,21 @@ if HAVE_GLUON:
             row, table_width, seq_lens_ptr + req, offs, PAGE_ROWS, BLOCK_SIZE, BLOCK_N,
             shape.split,
         )  # fmt: skip
-        if PIECES > 1:
-            key_pages = tile_pages(row, table_width, lo, hi, key_offs, 1, BLOCK_SIZE)
+        key_pages = tile_pages(row, table_width, lo, hi, key_offs, 1, BLOCK_SIZE)
         for j in range(num_tiles):
             first = lo + j * BLOCK_N
             upcoming = tile_pages(
                 row, table_width, first + BLOCK_N, hi, offs, PAGE_ROWS, BLOCK_SIZE
             )
-            if PIECES > 1:
-                upcoming_keys = tile_pages(
-                    row, table_width, first + BLOCK_N, hi, key_offs, 1, BLOCK_SIZE
-                )
+            upcoming_keys = tile_pages(
+                row, table_width, first + BLOCK_N, hi, key_offs, 1, BLOCK_SIZE
+            )
             stage = j % STAGES
             mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # fresh: counts as freed
-            if PIECES > 1:
-                _copy_scales(
-                    scales, ks_smem.index(stage), vs_smem.index(stage), k_ready.index(stage),
-                    key_pages, kv_head, first, hi, key_offs, BLOCK_SIZE,
-                )  # fmt: skip
-                key_pages = upcoming_keys
-            else:  # the tile lies in one page: the piece's page id serves every key
-                _copy_scales(
-                    scales, ks_smem.index(stage), vs_smem.index(stage), k_ready.index(stage),
-                    gl.sum(pages, axis=0), kv_head, first, hi, key_offs, BLOCK_SIZE,
-                )  # fmt: skip
+            _copy_scales(
+                scales, ks_smem.index(stage), vs_smem.index(stage), k_ready.index(stage),
+                key_pages, kv_head, first, hi, key_offs, BLOCK_SIZE,
+            )  # fmt: skip
             for i in gl.static_range(PIECES):
                 key = first + i * PAGE_ROWS
                 page = gl.sum(gl.where(offs == i, pages, 0), axis=0)
@@ -577,6 +568,7 @@ if HAVE_GLUON:
                 _fetch_piece(k_desc, k_smem, k_ready, stage, i, coord, key < hi)
                 _fetch_piece(v_desc, v_smem, v_ready, stage, i, coord, key < hi)
             pages = upcoming
+            key_pages = upcoming_keys
 
     @gluon.jit
     def _consumer_partition_8bit(
