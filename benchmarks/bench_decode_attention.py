@@ -29,7 +29,8 @@ provider over 8-bit pages (on Hopper the Gluon decode, dequantizing in registers
 ``speedup`` their ratio; both errors are against SDPA on the 16-bit K/V.
 ``--kv-variants`` times other settings of the 8-bit decode (``KV_DTYPE_VARIANTS``:
 the Gluon decode's rings and warps, one wave only, the portable kernel with and
-without the arithmetic conversion) in the same rounds.
+without the arithmetic conversion, per-token-head scales laid head-major) in the same
+rounds.
 
     python benchmarks/bench_decode_attention.py [--tune] [--quick] [--hopper]
     python benchmarks/bench_decode_attention.py --kv-cache-dtype int8_per_token_head \
@@ -49,6 +50,7 @@ from _kernel_time import amortized_graph_us, profiled_kernel_us
 from _paged_batch import hand_plan, page_kv, permuted_block_tables
 from _quantized_pages import quantized_pages
 
+from npu_attention.kv_quant import KVScales
 from npu_attention.providers.triton import TritonProvider
 from npu_attention.spec import AttentionSpec
 
@@ -127,6 +129,7 @@ _WIDE = {"block_n": 128, "num_warps": 4, "num_stages": 2, "pdl": 1, "prefetch_ti
 _WIDE_ONE_WAVE = {"block_n": 256, "num_warps": 8, "num_stages": 2, "pdl": 1, "prefetch_tiles": 1}
 _DEEP = {"block_n": 128, "num_warps": 4, "num_stages": 4, "pdl": 1, "prefetch_tiles": 1}
 KV_CACHE_KINDS = ("fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head")
+SCALE_LAYOUT = "scale_layout"  # a variant's key that is no provider attribute
 KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "wide": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE},
@@ -151,6 +154,12 @@ KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
                    {"block_n": 128, "num_warps": 4, "num_stages": 2, "maxnreg": 128}},
     "gluon_2cta_n64": {"hopper_decode_programs_per_sm_8bit": 2, "hopper_decode_launch_8bit":
                        {"block_n": 64, "num_warps": 4, "num_stages": 4, "maxnreg": 128}},
+    "gluon_3cta_s3": {"hopper_decode_launch_8bit":
+                      {"block_n": 64, "num_warps": 4, "num_stages": 3, "maxnreg": 80}},
+    "gluon_3cta_s4": {"hopper_decode_launch_8bit":
+                      {"block_n": 64, "num_warps": 4, "num_stages": 4, "maxnreg": 80}},
+    "gluon_4cta": {"hopper_decode_programs_per_sm_8bit": 4, "hopper_decode_launch_8bit":
+                   {"block_n": 64, "num_warps": 4, "num_stages": 2, "maxnreg": 64}},
     "gluon_mw_all": {"hopper_decode_multi_wave_8bit": KV_CACHE_KINDS},
     "gluon_mw_none": {"hopper_decode_multi_wave_8bit": ()},
     "gluon_mw_3cta": {"hopper_decode_multi_wave_8bit": KV_CACHE_KINDS,
@@ -160,6 +169,10 @@ KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
     "portable_cvt": {"hopper_decode_8bit": False, "fast_dequant_pages": ()},
     "portable_fast": {"hopper_decode_8bit": False,
                       "fast_dequant_pages": (torch.int8, torch.float8_e4m3fn)},
+    # The default launch over per-token-head scales laid head-major (each KV head's scales
+    # of a page contiguous, as the bridge's "planes" split lays them) instead of the
+    # benchmark's token-major [num_blocks, block_size, num_kv_heads].
+    "head_major_scales": {SCALE_LAYOUT: "head_major"},
 }  # fmt: skip
 
 
@@ -176,9 +189,21 @@ def quantized_pages_of(problem: DecodeProblem, block_size: int, kind: str):
     return block_tables, key_cache, value_cache, scales, nbytes
 
 
-def quantized_runner(problem: DecodeProblem, provider: TritonProvider, pages, kind: str):
-    """``provider.attend`` over ``pages`` (``quantized_pages_of``)."""
+def head_major(scales: KVScales) -> KVScales:
+    """Per-token-head ``scales`` (same values) with each KV head's scales of a page
+    contiguous; per-tensor scales as they are."""
+    if scales.k.dim() != 3:
+        return scales
+    return KVScales(*(s.transpose(1, 2).contiguous().transpose(1, 2) for s in scales))
+
+
+def quantized_runner(problem: DecodeProblem, provider: TritonProvider, pages, kind: str,
+                     scale_layout: str = "token_major"):  # fmt: skip
+    """``provider.attend`` over ``pages`` (``quantized_pages_of``), the per-token-head
+    scales laid ``token_major`` (as made) or ``head_major``."""
     block_tables, key_cache, value_cache, scales, _ = pages
+    if scale_layout == "head_major":
+        scales = head_major(scales)
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=key_cache.shape[1], dtype=DTYPE,
                          kv_cache_dtype=kind)  # fmt: skip
     plan = hand_plan(
@@ -217,9 +242,11 @@ def kv_cache_dtype_rows(
         runs, splits = {"bf16": run16}, {}
         for name in variants:
             provider = TritonProvider()
-            for attribute, value in KV_DTYPE_VARIANTS[name].items():
+            settings = dict(KV_DTYPE_VARIANTS[name])
+            scale_layout = settings.pop(SCALE_LAYOUT, "token_major")
+            for attribute, value in settings.items():
                 setattr(provider, attribute, value)
-            runs[name], plan = quantized_runner(problem, provider, pages, kind)
+            runs[name], plan = quantized_runner(problem, provider, pages, kind, scale_layout)
             splits[name] = plan.provider_data.num_kv_splits
         errors = {name: (run().float() - expected).abs().max().item() for name, run in runs.items()}
         graphs = {name: _captured(run) for name, run in runs.items()}
