@@ -53,8 +53,9 @@ class Internal:
     (``Class.attribute`` for members). ``params`` are the parameter names a callable
     is expected to take (``self`` included for methods; a class: its constructor's; a
     Triton kernel: its ``arg_names``; a compiled op: its schema's arguments), None
-    for data. ``since`` is the first vLLM version that has it, where the bridge acts
-    only when it exists. ``why`` says what the bridge does with it.
+    for data; ``params_from`` is ``(version, params)`` where a later vLLM changed them.
+    ``since`` is the first vLLM version that has it, where the bridge acts only when
+    it exists. ``why`` says what the bridge does with it.
     """
 
     module: str
@@ -63,6 +64,7 @@ class Internal:
     params: tuple[str, ...] | None
     why: str
     since: str | None = None
+    params_from: tuple[str, tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -90,12 +92,22 @@ class Internal:
             obj = getattr(obj, part)
         return obj
 
+    def params_in(self, version: tuple[int, ...]) -> tuple[str, ...] | None:
+        """The parameters expected in the vLLM release ``version`` (``(0, 33, 0)``)."""
+        if self.params_from is not None and version >= _release(self.params_from[0]):
+            return self.params_from[1]
+        return self.params
+
     def resolve(self) -> Any:
         """The object itself (an instance attribute: its owner class)."""
         owner = self.owner()
         if self.kind == INSTANCE_ATTRIBUTE:
             return owner
         return getattr(owner, self.name)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
 
 
 def _names(spaced: str) -> tuple[str, ...]:
@@ -286,11 +298,14 @@ V2_PCP_LOCAL_BLOCK_TABLES = _entry(
 )  # fmt: skip
 
 
-def _kernel(module: str, name: str, params: tuple[str, ...] | None) -> Internal:
-    return _entry(
-        module, name, TRITON_KERNEL, params,
-        "a V2 Triton kernel host mode replaces by a PyTorch copy (kernel dispatcher key)",
-    )  # fmt: skip
+def _kernel(
+    module: str,
+    name: str,
+    params: tuple[str, ...],
+    params_from: tuple[str, tuple[str, ...]] | None = None,
+) -> Internal:
+    why = "a V2 Triton kernel host mode replaces by a PyTorch copy (kernel dispatcher key)"
+    return Internal(module, name, TRITON_KERNEL, params, why, params_from=params_from)
 
 
 _V2 = "vllm.v1.worker.gpu"
@@ -314,11 +329,20 @@ V2_KERNELS = (
         "idx_mapping_ptr num_computed_tokens_ptr last_sampled_tokens_ptr output_bin_counts_ptr "
         "output_bin_counts_stride sampled_tokens_ptr sampled_tokens_stride num_sampled_ptr "
         "num_rejected_ptr query_start_loc_ptr all_token_ids_ptr all_token_ids_stride total_len_ptr"
-    )),
+    ), ("0.33.0", _names(
+        "idx_mapping_ptr num_computed_tokens_ptr last_sampled_tokens_ptr output_bin_counts_ptr "
+        "output_bin_counts_stride sampled_tokens_ptr sampled_tokens_stride num_sampled_ptr "
+        "num_rejected_ptr query_start_loc_ptr all_token_ids_ptr all_token_ids_stride total_len_ptr "
+        "draft_tokens_ptr draft_tokens_out_ptr num_draft_tokens"
+    ))),
     _kernel(f"{_V2}.block_table", "_gather_block_tables_kernel", _names(
         "batch_idx_to_req_idx src_block_table_ptrs dst_block_table_ptrs block_table_strides "
         "num_blocks_ptr num_blocks_stride num_reqs BLOCK_SIZE"
-    )),
+    ), ("0.33.0", _names(
+        "batch_idx_to_req_idx src_block_table_ptrs dst_block_table_ptrs block_table_strides "
+        "num_blocks_ptr num_blocks_stride num_reqs num_computed_tokens_ptr "
+        "sliding_window_reach_ptr block_sizes_ptr MASK_SLIDING_WINDOW BLOCK_SIZE"
+    ))),
     _kernel(f"{_V2}.block_table", "_compute_slot_mappings_kernel", _names(
         "max_num_tokens idx_mapping query_start_loc pos block_table_ptrs block_table_strides "
         "block_sizes slot_mapping_enabled dcp_sharded slot_mappings_ptr slot_mappings_stride "
