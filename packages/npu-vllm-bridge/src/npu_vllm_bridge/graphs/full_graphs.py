@@ -48,6 +48,7 @@ from npu_graphs import (
 from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.memory_estimate import estimate_own_bytes
 from npu_vllm_bridge.settings import current_settings
+from npu_vllm_bridge.vllm_seam import set_cudagraphs_captured_count
 
 MODEL = "model"
 DRAFTER = "drafter"
@@ -68,6 +69,11 @@ class FullGraphCounts:
     captured: int = 0
     replayed: int = 0
     task_updates: int = 0
+
+
+def count_vllm_capture() -> None:
+    """One more graph in vLLM's compilation counter, as vLLM's ``CUDAGraphWrapper`` counts."""
+    set_cudagraphs_captured_count(compilation_counter.num_cudagraph_captured + 1)
 
 
 def graph_backend_name() -> str:
@@ -153,7 +159,7 @@ class FullGraphs:
         with graph_dispatch(RuntimeMode.FULL, key):
             outputs = self.graphs(*args, **kwargs)
         self.counts.captured += 1
-        compilation_counter.num_cudagraph_captured += 1  # as vLLM's CUDAGraphWrapper counts
+        count_vllm_capture()
         counters = graph_counters()
         counters.captured += 1
         if self.role == DRAFTER:

@@ -30,6 +30,12 @@ from npu_vllm_bridge.graphs.ubatch_wrapper import (
 )
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name, live_wrappers
 from npu_vllm_bridge.settings import current_settings
+from npu_vllm_bridge.vllm_seam import (
+    cleanup_profiling_kv_cache,
+    init_minimal_kv_cache_for_profiling,
+    set_cudagraphs_captured_count,
+    warmup_and_capture,
+)
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -124,7 +130,8 @@ class GraphRunnerMixin:
         kind = "decode" if descs[0].uniform else "mixed prefill-decode"
 
         def capture_one(desc: Any) -> None:
-            self._warmup_and_capture(  # type: ignore[attr-defined]
+            warmup_and_capture(
+                self,
                 desc,
                 cudagraph_runtime_mode=runtime_mode,
                 allow_microbatching=self._split_at_capture(runtime_mode, desc),
@@ -161,7 +168,7 @@ class GraphRunnerMixin:
         if not self.compilation_config.cudagraph_mode.has_full_cudagraphs():
             return 0
         with set_current_vllm_config(self.vllm_config):
-            self._init_minimal_kv_cache_for_profiling()  # type: ignore[attr-defined]
+            init_minimal_kv_cache_for_profiling(self)
         backend = get_backend(graph_backend_name())
         saved_captures = compilation_counter.num_cudagraph_captured
         own_total = 0
@@ -180,10 +187,10 @@ class GraphRunnerMixin:
             for key_set in self.cudagraph_dispatcher.cudagraph_keys.values():
                 key_set.clear()
             self.cudagraph_dispatcher.keys_initialized = False
-            self._cleanup_profiling_kv_cache()  # type: ignore[attr-defined]
+            cleanup_profiling_kv_cache(self)
             counters = graph_counters()
             counters.captured = counters.split_captured = 0
-            compilation_counter.num_cudagraph_captured = saved_captures
+            set_cudagraphs_captured_count(saved_captures)
         total = own_total + max(pool_after - pool_before, 0)
         graph_counters().estimated_bytes = total
         logger.info(
@@ -202,7 +209,8 @@ class GraphRunnerMixin:
         return estimate_own_bytes(
             backend,
             descs,
-            lambda desc: self._warmup_and_capture(  # type: ignore[attr-defined]
+            lambda desc: warmup_and_capture(
+                self,
                 desc,
                 cudagraph_runtime_mode=runtime_mode,
                 allow_microbatching=self._split_at_capture(runtime_mode, desc),

@@ -38,7 +38,6 @@ wrapper's micro-batch index and first row.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,9 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import vllm.forward_context as vllm_forward_context
 from vllm.compilation import monitor
-from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import (
@@ -70,7 +67,11 @@ from npu_graphs import (
     graph_dispatch,
 )
 from npu_vllm_bridge.graphs.counters import graph_counters
-from npu_vllm_bridge.graphs.full_graphs import graph_backend_name, per_layer_metadata
+from npu_vllm_bridge.graphs.full_graphs import (
+    count_vllm_capture,
+    graph_backend_name,
+    per_layer_metadata,
+)
 from npu_vllm_bridge.graphs.wrapper import (
     BridgeGraphWrapper,
     RunnableProxy,
@@ -78,6 +79,13 @@ from npu_vllm_bridge.graphs.wrapper import (
     track_wrapper,
 )
 from npu_vllm_bridge.settings import PREFIX, current_settings
+from npu_vllm_bridge.vllm_seam import (
+    DBO_CURRENT_UBATCH_ID,
+    DBO_CURRENT_UBATCH_TOKEN_OFFSET,
+    install_forward_context,
+    rebind_in_loaded_modules,
+    ubatch_wrapper_bypassed,
+)
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -110,7 +118,7 @@ class _Running:
 
     def resume(self) -> None:
         """This micro-batch's turn (again): its forward context is vLLM's current one."""
-        vllm_forward_context._forward_context = self.forward_context
+        install_forward_context(self.forward_context)
 
     def hand_over(self) -> None:
         """Pass the turn (if another micro-batch is left); resume when it comes back."""
@@ -151,34 +159,17 @@ def micro_batch_token_offset() -> int:
     return ubatching.dbo_current_ubatch_token_offset()
 
 
-# vLLM's micro-batch queries (those this vLLM has) -> the bridge's answers.
-_MICRO_BATCH_QUERIES = {
-    "dbo_current_ubatch_id": micro_batch_id,
-    "dbo_current_ubatch_token_offset": micro_batch_token_offset,  # vLLM 0.33
-}
-
-
 def install_micro_batch_ids() -> list[str]:
     """Point every loaded vLLM module that imported ``dbo_current_ubatch_id`` (or
     ``dbo_current_ubatch_token_offset``) by name at :func:`micro_batch_id` (or
     :func:`micro_batch_token_offset`); returns the patched ``module.name``s. Call after
     the model is loaded."""
-    from vllm.v1.worker import ubatching
-
-    originals = {
-        name: (getattr(ubatching, name), ours)
-        for name, ours in _MICRO_BATCH_QUERIES.items()
-        if hasattr(ubatching, name)
-    }
-    patched = []
-    for module_name, module in list(sys.modules.items()):
-        if module is ubatching or not module_name.startswith("vllm."):
-            continue
-        for name, (original, ours) in originals.items():
-            if getattr(module, name, None) is original:
-                setattr(module, name, ours)
-                patched.append(f"{module_name}.{name}")
-    return patched
+    return rebind_in_loaded_modules(
+        {
+            DBO_CURRENT_UBATCH_ID: micro_batch_id,
+            DBO_CURRENT_UBATCH_TOKEN_OFFSET: micro_batch_token_offset,  # vLLM 0.33
+        }
+    )
 
 
 class _VllmUBatchWrapperBypassed:
@@ -189,20 +180,12 @@ class _VllmUBatchWrapperBypassed:
         return runnable
 
 
-@contextlib.contextmanager
-def vllm_ubatch_wrapper_bypassed() -> Iterator[None]:
+def vllm_ubatch_wrapper_bypassed() -> contextlib.AbstractContextManager[None]:
     """vLLM's GPU model runner's ``load_model`` wraps the model in its CUDA
     ``UBatchWrapper`` (CUDA streams, SM control) when micro-batching is on; inside this
     block it leaves the model as it is. Micro-batching stays visible to the model's
     layers (a MoE layer keeps its shared-expert outputs per micro-batch)."""
-    import vllm.v1.worker.gpu_model_runner as gpu_model_runner
-
-    saved = gpu_model_runner.UBatchWrapper
-    gpu_model_runner.UBatchWrapper = _VllmUBatchWrapperBypassed
-    try:
-        yield
-    finally:
-        gpu_model_runner.UBatchWrapper = saved
+    return ubatch_wrapper_bypassed(_VllmUBatchWrapperBypassed)
 
 
 @contextlib.contextmanager
@@ -341,7 +324,7 @@ class BridgeUBatchWrapper(RunnableProxy):
         counters = graph_counters()
         counters.captured += 1
         counters.split_captured += 1
-        compilation_counter.num_cudagraph_captured += 1
+        count_vllm_capture()
         if not at_start_up:
             counters.capture_seconds += time.perf_counter() - start
             counters.capture_bytes = self.runner.backend.memory_in_use()

@@ -48,6 +48,12 @@ from npu_vllm_bridge.attention.tasks import count_attention_tasks
 from npu_vllm_bridge.graphs.counters import count_eager_step
 from npu_vllm_bridge.graphs.full_graphs import MODEL, FullGraphs
 from npu_vllm_bridge.settings import current_settings
+from npu_vllm_bridge.vllm_seam import (
+    capture_descs,
+    capture_mem_samples,
+    graphs_captured,
+    set_graphs_captured,
+)
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -94,23 +100,23 @@ class NpuGraphsCapture(CudaGraphManager):
         if self.full is None:
             raise ValueError("capture(create_forward_fn) before the model's capture set up graphs")
         self._create_forward_fn = create_forward_fn
-        if self._capture_mem_samples is not None:
+        if capture_mem_samples(self) is not None:
             self.profiled_bytes = self._profile(create_forward_fn)
         elif self.capture_on_first_use:
             logger.info(
                 "The model's %d graph keys are captured at their first step (capture_on_first_use)",
-                sum(len(descs) for descs in self._capture_descs.values()),
+                sum(len(descs) for descs in capture_descs(self).values()),
             )
         else:
             backend = self.full.backend
             for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
                 capture_all(
-                    self._capture_descs.get(mode, []),
+                    capture_descs(self).get(mode, []),
                     lambda desc: self._capture_one(create_forward_fn, desc),
                     backend=backend,
                     desc=f"{progress_bar_desc} ({backend.name}, {mode.name})",
                 )
-        self._graphs_captured = True
+        set_graphs_captured(self, True)
 
     def _profile(self, create_forward_fn: CreateForwardFn) -> int:
         """Capture the largest and smallest descriptor of each mode; return the bytes
@@ -120,7 +126,7 @@ class NpuGraphsCapture(CudaGraphManager):
         _, pool_before = backend.memory_breakdown()
         for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
             own_total += self.full.estimate_bytes(
-                self._capture_descs.get(mode, []),
+                capture_descs(self).get(mode, []),
                 lambda desc: self._capture_one(create_forward_fn, desc),
             )
         _, pool_after = backend.memory_breakdown()
@@ -149,7 +155,7 @@ class NpuGraphsCapture(CudaGraphManager):
         FULL one not captured yet is captured now (``capture_on_first_use``); a step
         without graphs is counted."""
         desc = super().dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
-        if not self._graphs_captured:
+        if not graphs_captured(self):
             return desc
         if desc.cg_mode == CUDAGraphMode.FULL and desc not in self.graphs:
             self._capture_at_first_use(desc)

@@ -25,20 +25,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
-from unittest import mock
-
-import vllm.v1.worker.gpu.model_runner as gpu_model_runner
-import vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator as multi_module_mtp
-import vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator as target_dependent_ar
 
 from npu_vllm_bridge.graphs.v2_draft_graphs import (
     BridgeSpeculatorGraphManager,
     leave_draft_metadata_with_graphs,
 )
 from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager
+from npu_vllm_bridge.vllm_seam import (
+    V2_MODEL_GRAPH_MANAGER,
+    V2_MODEL_STATE_PREPARE_ATTN,
+    V2_MTP_SPECULATOR_GRAPH_MANAGER,
+    V2_TDAR_SPECULATOR_GRAPH_MANAGER,
+    swap_module_attribute,
+    wrap_instance_method,
+)
 
-# The modules whose name ``SpeculatorCudaGraphManager`` builds a drafter's managers.
-DRAFTER_MODULES = (target_dependent_ar, multi_module_mtp)
+# The names by which the EAGLE / MTP drafters' modules build a drafter's managers.
+DRAFTER_MANAGERS = (V2_TDAR_SPECULATOR_GRAPH_MANAGER, V2_MTP_SPECULATOR_GRAPH_MANAGER)
 
 
 class GraphManagerHook:
@@ -65,28 +68,24 @@ def bridge_graph_manager() -> Iterator[None]:
     """In the enclosed block, vLLM's V2 runner builds a :class:`BridgeModelGraphManager`
     and its EAGLE / MTP drafters build :class:`BridgeSpeculatorGraphManager` s."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(
-            mock.patch.object(gpu_model_runner, "ModelCudaGraphManager", BridgeModelGraphManager)
-        )
-        for module in DRAFTER_MODULES:
-            stack.enter_context(
-                mock.patch.object(
-                    module, "SpeculatorCudaGraphManager", BridgeSpeculatorGraphManager
-                )
-            )
+        stack.enter_context(swap_module_attribute(V2_MODEL_GRAPH_MANAGER, BridgeModelGraphManager))
+        for entry in DRAFTER_MANAGERS:
+            stack.enter_context(swap_module_attribute(entry, BridgeSpeculatorGraphManager))
         yield
 
 
 def leave_attn_metadata_with_graphs(runner: Any) -> None:
     """Make ``runner.model_state.prepare_attn`` hand each step's metadata to the runner's
     graph manager (when it is the bridge's) as it returns it."""
-    prepare_attn = runner.model_state.prepare_attn
 
-    def prepare_attn_for_replay(*args: Any, **kwargs: Any) -> Any:
-        attn_metadata = prepare_attn(*args, **kwargs)
-        manager = runner.cudagraph_manager
-        if isinstance(manager, BridgeModelGraphManager):
-            manager.step_attn_metadata = attn_metadata
-        return attn_metadata
+    def leaving(prepare_attn: Any) -> Any:
+        def prepare_attn_for_replay(*args: Any, **kwargs: Any) -> Any:
+            attn_metadata = prepare_attn(*args, **kwargs)
+            manager = runner.cudagraph_manager
+            if isinstance(manager, BridgeModelGraphManager):
+                manager.step_attn_metadata = attn_metadata
+            return attn_metadata
 
-    runner.model_state.prepare_attn = prepare_attn_for_replay
+        return prepare_attn_for_replay
+
+    wrap_instance_method(runner.model_state, V2_MODEL_STATE_PREPARE_ATTN, leaving)

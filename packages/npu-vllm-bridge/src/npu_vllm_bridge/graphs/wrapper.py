@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 from vllm.compilation import monitor
-from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import validate_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -27,7 +26,7 @@ from vllm.sequence import IntermediateTensors
 
 from npu_graphs import GraphWrapper, RuntimeMode, get_backend, graph_dispatch
 from npu_vllm_bridge.graphs.counters import count_eager_step, graph_counters
-from npu_vllm_bridge.graphs.full_graphs import FullGraphs, graph_backend_name
+from npu_vllm_bridge.graphs.full_graphs import FullGraphs, count_vllm_capture, graph_backend_name
 from npu_vllm_bridge.settings import current_settings
 
 _RUNTIME_MODES = {
@@ -167,7 +166,7 @@ class BridgeGraphWrapper(RunnableProxy):
             outputs = self.graphs(*args, **kwargs)
         counters = graph_counters()
         counters.captured += 1
-        compilation_counter.num_cudagraph_captured += 1  # as vLLM's CUDAGraphWrapper counts
+        count_vllm_capture()
         if at_first_use:
             counters.capture_seconds += time.perf_counter() - start
             counters.capture_bytes = self.graphs.backend.memory_in_use()
