@@ -645,11 +645,11 @@ if HAVE_GLUON:
             m_i = m_new
             mbarrier.wait(v_ready.index(stage), phase)
             # Rows past the keys (never fetched) convert to finite values that meet p = 0.
-            v = v_smem.index(stage).load(v_layout)
+            v = v_smem.index(stage).load(rows)
             if scales.kv_quant == 2:
                 p = p * vs_smem.index(stage).load(cols)[None, :]
             mbarrier.arrive(empty.index(stage), count=1)
-            v = dequant_gl(v, DTYPE)
+            v = gl.convert_layout(dequant_gl(v, DTYPE), v_layout)
             p_op = gl.convert_layout(p.to(DTYPE), p_layout)
             acc = mma_v2(p_op, v, acc * alpha[:, None])
         _store_rows(
