@@ -51,11 +51,11 @@ def test_the_v2_manager_captures_npu_graphs_with_a_task_group_per_layer(stand_in
     v2.capture()
     calls = _calls_from(stand_in, start)
     names = [call.name for call in calls]
-    assert v2.desc in v2.manager.graphs and v2.manager.wrapper.backend.name == "npu"
+    assert v2.desc in v2.manager.graphs and v2.manager.full.graphs.backend.name == "npu"
     (capture,) = [call for call in calls if call.name == "torch.npu.graph.__call__"]
     assert capture.arguments["pool"] is v2.manager.pool  # the platform's graph pool
     stream = capture.arguments["stream"]
-    assert stream is v2.manager.wrapper.stream
+    assert stream is v2.manager.full.graphs.stream
     assert stream is not stand_in.npu.runtime.default_stream
     begin, end = names.index("torch.npu.graph.__call__"), len(names)
     captured = calls[begin:end]
@@ -69,14 +69,14 @@ def test_the_v2_manager_captures_npu_graphs_with_a_task_group_per_layer(stand_in
             "torch.npu.ExternalEvent.wait",
             "torch.npu.ExternalEvent.reset",
         ]
-    assert v2.manager.tasks.num_tasks(v2.desc) == len(LAYERS)
+    assert v2.manager.full.tasks.num_tasks(v2.desc) == len(LAYERS)
     assert not stand_in.npu.runtime.held_replays()
     _check_outputs(v2, 1)  # the replay right after the capture, its tasks released
 
 
 def test_each_step_launches_the_replay_before_the_task_update(stand_in, v2) -> None:
     v2.capture()
-    capture_stream = v2.manager.wrapper.stream
+    capture_stream = v2.manager.full.graphs.stream
     for step in (2, 3):
         start = len(stand_in.log.calls)
         v2.step(step)
@@ -107,7 +107,7 @@ def test_each_step_launches_the_replay_before_the_task_update(stand_in, v2) -> N
 
 def test_a_skipped_task_update_is_caught(stand_in, v2, monkeypatch) -> None:
     v2.capture()
-    monkeypatch.setattr(BridgeModelGraphManager, "_update_tasks", lambda self, desc, md: None)
+    monkeypatch.setattr(v2.manager.full.tasks, "update", lambda key, step: None)
     v2.step(2)
     assert not stand_in.npu.runtime.held_replays()  # released, not hung
     for steps in v2.steps:
