@@ -22,9 +22,13 @@ def main() -> None:
     skipped: list[object] = []
     record_model_runners(built)
     if os.environ.get(SKIP_UPDATES_ENV) == "1":
-        from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager
+        from npu_vllm_bridge.graphs.full_graphs import FullGraphs
 
-        BridgeModelGraphManager._update_tasks = lambda self, desc, metadata: skipped.append(desc)
+        def replay_without_update(self, key, attn_metadata, *args, **kwargs):
+            skipped.append(key)
+            return self.graphs.replay(key, *args, **kwargs)
+
+        FullGraphs.replay = replay_without_update
     counters = engine_runner._bridge_counters
 
     def counters_and_runners(worker=None) -> dict:
@@ -36,7 +40,7 @@ def main() -> None:
 
 def record_model_runners(built: list[str]) -> None:
     """Append the class name of every model runner the host worker builds to ``built``."""
-    from npu_vllm_bridge.worker.host import HostWorker
+    from npu_vllm_bridge.host.worker import HostWorker
 
     make_runner = HostWorker._bridge_model_runner
 
