@@ -27,6 +27,7 @@ from npu_attention import AttentionPlan, AttentionSpec
 from npu_vllm_bridge.attention.context_parallel import DCPPlans, dcp_layout_of, plan_dcp
 from npu_vllm_bridge.attention.padding_slots import SLOT_HANDLING
 from npu_vllm_bridge.settings import PREFIX, current_settings
+from npu_vllm_bridge.vllm_seam import builder_cudagraph_support, init_reorder_batch_threshold
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
@@ -81,7 +82,7 @@ class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Speculative decoding: verify requests of 1 + k query tokens are decodes.
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        init_reorder_batch_threshold(self, 1, supports_spec_as_decode=True)
         self.max_decode_len = self.reorder_batch_threshold or 1
         # With a drafter, vLLM's host seq_lens are only upper bounds (draft steps
         # after rejected tokens lower the device ones): read the exact ones.
@@ -105,7 +106,7 @@ class BridgeBuilderBase(AttentionMetadataBuilder[M], Generic[M]):
         the spec-decode plan serves as decodes: FULL graphs for uniform batches."""
         if vllm_config.speculative_config is not None:
             return AttentionCGSupport.UNIFORM_BATCH
-        return cls._cudagraph_support
+        return builder_cudagraph_support(cls)
 
     def build(
         self,

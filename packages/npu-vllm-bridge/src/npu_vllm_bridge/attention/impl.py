@@ -14,6 +14,7 @@ from npu_vllm_bridge.attention.context_parallel import dcp_attention
 from npu_vllm_bridge.attention.kv_cache import quantized_kv_cache, split_kv_cache
 from npu_vllm_bridge.attention.tasks import contiguous_rows, run_attention
 from npu_vllm_bridge.settings import PREFIX, current_settings
+from npu_vllm_bridge.vllm_seam import layer_kv_scales
 
 
 class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
@@ -111,7 +112,7 @@ class BridgeAttentionImpl(AttentionImpl[BridgeAttentionMetadata]):
                 kv_cache, self.head_size, self.kv_cache_dtype, self.kv_cache_split
             )
             if k_scale is None:  # per tensor: the layer's
-                k_scale, v_scale = layer._k_scale, layer._v_scale
+                k_scale, v_scale = layer_kv_scales(layer)
             scales = {"k_scale": k_scale, "v_scale": v_scale}
         if attn_metadata.plan.provider.contiguous_inputs:
             query, key, value = contiguous_rows(query, key, value)

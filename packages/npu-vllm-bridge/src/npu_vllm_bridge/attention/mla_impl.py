@@ -39,6 +39,7 @@ from npu_vllm_bridge.attention.tasks import (
     run_mla_write_cache,
 )
 from npu_vllm_bridge.settings import PREFIX, current_settings
+from npu_vllm_bridge.vllm_seam import set_mla_dcp_manager
 
 # The arguments vLLM's MLA impl takes (the layer may pass more; they are not its).
 _BASE_PARAMETERS = frozenset(inspect.signature(MLACommonImpl.__init__).parameters) - {"self"}
@@ -252,6 +253,6 @@ def install_mla_dcp(vllm_config: Any) -> int:
     for layer in get_layers_from_vllm_config(vllm_config, MLAAttention).values():
         if getattr(layer, "dcp_manager", None) is None or not isinstance(layer.impl, BridgeMLAImpl):
             continue
-        layer.dcp_manager = BridgeMLADCP(get_dcp_group())
+        set_mla_dcp_manager(layer, BridgeMLADCP(get_dcp_group()))
         changed += 1
     return changed

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from npu_vllm_bridge.attention.backend import NPUBridgeAttentionBackend, NPUBridgeMLABackend
 from npu_vllm_bridge.attention.capabilities import attention_head_sizes
 from npu_vllm_bridge.settings import PREFIX
+from npu_vllm_bridge.vllm_seam import selector_fields
 
 if TYPE_CHECKING:
     from vllm.v1.attention.selector import AttentionSelectorConfig
@@ -31,7 +32,7 @@ def backend_for_selector(selector: AttentionSelectorConfig) -> str:
         )
         raise ValueError(f"{PREFIX} does not support {kind}")
     backend = NPUBridgeMLABackend if selector.use_mla else NPUBridgeAttentionBackend
-    reasons = backend.validate_configuration(device_capability=None, **selector._asdict())
+    reasons = backend.validate_configuration(device_capability=None, **selector_fields(selector))
     if _HEAD_SIZE_REASON in reasons:
         provider, head_sizes = attention_head_sizes()
         reasons[reasons.index(_HEAD_SIZE_REASON)] = (

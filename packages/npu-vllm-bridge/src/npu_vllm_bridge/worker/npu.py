@@ -24,6 +24,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.utils import request_memory
 
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
+from npu_vllm_bridge.vllm_seam import init_workspace_and_model_runner
 from npu_vllm_bridge.worker.bridge_runner import BridgeModelRunner
 from npu_vllm_bridge.worker.bridge_worker import BridgeWorkerMixin
 
@@ -87,7 +88,7 @@ class NPUWorker(BridgeWorkerMixin, Worker):
         torch.npu.empty_cache()
         self.init_snapshot = MemorySnapshot(device=self.device)
         self.requested_memory = request_memory(self.init_snapshot, self.cache_config, 0)
-        self._init_workspace_and_model_runner()
+        init_workspace_and_model_runner(self)
 
     def _make_model_runner(self) -> Any:
         return self.model_runner_class()(self.vllm_config, self.device)
