@@ -621,8 +621,7 @@ if HAVE_GLUON:
         offs = gl.arange(0, BLOCK_N, layout=cols)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
-        # Row sums kept per key column, summed across the warps once after the loop.
-        l_cols = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, mma))
         acc = gl.zeros([BLOCK_M, HEAD], gl.float32, layout=mma)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
         for j in range(num_tiles):
@@ -642,7 +641,7 @@ if HAVE_GLUON:
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             p = gl.exp2(s * qk_scale - m_safe[:, None])
             alpha = gl.exp2(m_i - m_safe)
-            l_cols = l_cols * alpha[:, None] + p
+            l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             mbarrier.wait(v_ready.index(stage), phase)
             # Rows past the keys (never fetched) convert to finite values that meet p = 0.
@@ -653,7 +652,6 @@ if HAVE_GLUON:
             v = gl.convert_layout(dequant_gl(v, DTYPE), v_layout)
             p_op = gl.convert_layout(p.to(DTYPE), p_layout)
             acc = mma_v2(p_op, v, acc * alpha[:, None])
-        l_i = gl.sum(l_cols, axis=1)
         _store_rows(
             acc, m_i, l_i, out_ptr, partial_out_ptr, partial_lse_ptr, lse_ptr, q_start, q_len,
             kv_head, stride_ot, stride_oh, stride_lt, stride_lh, shape, out_scale,
