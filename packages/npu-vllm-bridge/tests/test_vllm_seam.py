@@ -155,13 +155,15 @@ def test_every_entry_is_used_through_the_seam() -> None:
                 words.add(node.asname or node.name)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 strings.add(node.value)
+            elif isinstance(node, ast.ClassDef):  # an override of a vLLM hook is its use
+                words.update(f.name for f in node.body if isinstance(f, ast.FunctionDef))
     groups = {e.path for e in (*vllm_seam.V2_KERNELS, *vllm_seam.COMPILED_OPS)}
     dead = [
         path
         for path, names in _seam_names().items()
         if not names & words and not (path in groups and path.rsplit(".", 1)[1] in strings)
     ]
-    assert dead == []
+    assert not dead, "entries no call site uses:\n" + "\n".join(dead)
 
 
 # --- the bridge outside the seam -------------------------------------------------------
@@ -218,6 +220,11 @@ def _scan(path: Path, text: str, entry_names: set[str]) -> list[str]:
                     hit(node, f"{ast.unparse(node)}")
             elif stored and (name in entry_names or _from_vllm(receiver, vllm_names)):
                 hit(node, f"assignment to {ast.unparse(node)}")
+        elif isinstance(node, ast.ClassDef):
+            methods = [f for f in node.body if isinstance(f, ast.FunctionDef)]
+            for method in methods:
+                if method.name in entry_names - _OVERRIDDEN_HOOKS:
+                    hit(method, f"override of vLLM's {method.name}")
         elif isinstance(node, ast.Call):
             func = ast.unparse(node.func)
             if func in ("setattr", "mock.patch.object", "patch.object") and node.args:
@@ -279,6 +286,11 @@ def seam_bypasses() -> list[str]:
     return hits
 
 
+# vLLM's hooks the bridge overrides in its subclasses: a method definition cannot go
+# through a module. Worker._make_model_runner is documented as the platform's hook
+# ("subclasses override this"); the seam lists it and checks its signature.
+_OVERRIDDEN_HOOKS = {vllm_seam.WORKER_MAKE_MODEL_RUNNER.name}
+
 # Public vLLM names the bridge replaces on instances (through the seam only).
 _PATCHED_PUBLIC_NAMES = {
     vllm_seam.DRAFTER_PROPOSE.name,
@@ -292,7 +304,8 @@ _PATCHED_PUBLIC_NAMES = {
 
 @pytest.mark.xfail(strict=False, reason="call sites in graphs/ and host mode still moving")
 def test_nothing_outside_the_seam_reaches_vllm_internals() -> None:
-    assert seam_bypasses() == []
+    found = seam_bypasses()
+    assert not found, "vLLM internals reached outside vllm_seam.py:\n" + "\n".join(found)
 
 
 if __name__ == "__main__":
