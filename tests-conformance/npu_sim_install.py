@@ -32,8 +32,8 @@ SIM_ENV = "NPU_SIM"  # "1": each process of the run simulates the NPU
 FAULT_ENV = "NPU_SIM_FAULT"  # a deliberate fault of npu_sim_faults, for the tests
 WHEEL_DIR_ENV = "TORCH_NPU_WHEEL_DIR"
 DEFAULT_WHEEL_DIR = HERE.parent / ".pytest_cache" / "d" / "torch-npu-wheel"  # pytest's cache
-HOST_PLATFORM_MODULE = "npu_vllm_bridge.platforms.host"
-HOST_WORKER_MODULE = "npu_vllm_bridge.worker.host"
+HOST_PLATFORM_MODULE = "npu_vllm_bridge.host.platform"
+HOST_WORKER_MODULE = "npu_vllm_bridge.host.worker"
 NPU_COMMUNICATOR_MODULE = "npu_vllm_bridge.worker.npu_communicator"
 # The NPU platform's device communicator (platforms/npu.py's NPU_COMMUNICATOR), which
 # that module cannot be imported to read without an NPU.
@@ -121,7 +121,7 @@ def install_simulated_npu() -> Simulation:
     from torch_npu_schemas import download_wheel, read_wheel
 
     from npu_attention import register_provider
-    from npu_vllm_bridge.platforms.host import HostPlatform
+    from npu_vllm_bridge.host.platform import HostPlatform
 
     folder = wheel_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -150,7 +150,7 @@ def _instrument_worker(simulation: Simulation) -> None:
     """The host worker counts synchronizes in replayed steps and answers
     ``collective_rpc("npu_sim_report")`` with this process's report, its DP rank and
     rank (so a run collects the report of every worker process)."""
-    from npu_vllm_bridge.worker.host import HostWorker
+    from npu_vllm_bridge.host.worker import HostWorker
 
     def npu_sim_report(self) -> dict[str, Any]:
         report = simulation.report()
@@ -184,7 +184,7 @@ def _count_communicator_calls(simulation: Simulation) -> None:
 def _count_step_synchronizes(simulation: Simulation) -> None:
     """Count the synchronizes issued in steps that replay a graph: those of a worker's
     ``execute_model`` that launched a replay, and of the ``sample_tokens`` after it."""
-    from npu_vllm_bridge.worker.host import HostWorker
+    from npu_vllm_bridge.host.worker import HostWorker
 
     stats, syncs = simulation.runtime.stats, simulation.step_syncs
     execute_model, sample_tokens = HostWorker.execute_model, HostWorker.sample_tokens

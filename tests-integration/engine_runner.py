@@ -74,7 +74,7 @@ def main() -> None:
     from vllm import LLM  # noqa: F401  (before the platform's attributes are set)
 
     if bridge:
-        from npu_vllm_bridge.platforms.host import HostPlatform
+        from npu_vllm_bridge.host.platform import HostPlatform
 
         overrides = spec.get("host_platform", {})
         HostPlatform.bridge_settings = dataclasses.replace(

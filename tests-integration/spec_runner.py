@@ -149,7 +149,7 @@ def _register_triton_overrides_once() -> None:
 
 def _override_host_settings(overrides: dict) -> None:
     """Replace fields of the host platform's ``BridgeSettings`` (``{field: value}``)."""
-    from npu_vllm_bridge.platforms.host import HostPlatform
+    from npu_vllm_bridge.host.platform import HostPlatform
 
     HostPlatform.bridge_settings = dataclasses.replace(HostPlatform.bridge_settings, **overrides)
 

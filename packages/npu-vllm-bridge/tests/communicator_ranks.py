@@ -18,7 +18,7 @@ def rank_rows(rank: int, rows: int) -> torch.Tensor:
 
 
 COMMUNICATORS = {
-    "host": "npu_vllm_bridge.worker.host_communicator:HostCommunicator",
+    "host": "npu_vllm_bridge.host.communicator:HostCommunicator",
     "npu": "npu_vllm_bridge.worker.npu_communicator:NPUCommunicator",
 }
 

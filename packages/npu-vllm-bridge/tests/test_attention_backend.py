@@ -208,7 +208,7 @@ def test_host_platform_captures_with_vllm_dummy_lengths(model_layers, monkeypatc
     captures keep vLLM's short dummy contexts (the NPU's plan the longest, above)."""
     from vllm.platforms import current_platform
 
-    from npu_vllm_bridge.platforms.host import HostPlatform
+    from npu_vllm_bridge.host.platform import HostPlatform
 
     assert HostPlatform.bridge_settings.capture_longest_context is False
     monkeypatch.setattr(

@@ -322,7 +322,7 @@ def test_context_parallel_checks_refuse_what_does_not_run(config, message):
 def test_host_slot_mapping_follows_vllm_dcp_rule(cp_size, rank, interleave):
     """The host platform's slot-mapping kernel (vLLM's CPU one refuses CP) against
     npu-attention's DCP slot mapping; padding rows of the buffer get -1."""
-    from npu_vllm_bridge.worker.host_slot_mapping import compute_slot_mapping
+    from npu_vllm_bridge.host.slot_mapping import compute_slot_mapping
 
     query_lens, context = [1, 3, 20], [70, 0, 33]
     qsl = torch.tensor([0, 1, 4, 24], dtype=torch.int32)

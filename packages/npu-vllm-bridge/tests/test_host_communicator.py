@@ -48,7 +48,7 @@ def test_all_gatherv_and_reduce_scatterv_over_gloo_equal_the_rows_put_together(k
 def test_sizes_that_do_not_fit_are_refused():
     from types import SimpleNamespace
 
-    from npu_vllm_bridge.worker.host_communicator import HostCommunicator
+    from npu_vllm_bridge.host.communicator import HostCommunicator
 
     comm = SimpleNamespace(world_size=2, rank_in_group=0)
     check = HostCommunicator._checked_sizes

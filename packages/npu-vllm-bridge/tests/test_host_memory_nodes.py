@@ -15,8 +15,8 @@ import pytest
 import vllm.utils.cpu_resource_utils as cpu_utils
 from vllm.v1.engine.utils import get_physical_gpu_ids_for_local_dp_rank
 
-from npu_vllm_bridge.platforms import host
-from npu_vllm_bridge.platforms.host import HostPlatform
+from npu_vllm_bridge.host import platform as host_platform
+from npu_vllm_bridge.host.platform import HostPlatform
 
 DEVICE_ENV = "CPU_VISIBLE_MEMORY_NODES"
 
@@ -59,4 +59,4 @@ def test_each_rank_gets_a_node_it_may_use(memory_nodes, monkeypatch, nodes, dp_s
 
 def test_a_usable_node_is_kept(memory_nodes) -> None:
     memory_nodes([0, 2])
-    assert [host.shared_memory_node(n) for n in range(4)] == [0, 2, 2, 2]
+    assert [host_platform.shared_memory_node(n) for n in range(4)] == [0, 2, 2, 2]

@@ -12,7 +12,7 @@ import torch
 from tiny_configs import TINY_LLAMA
 from vllm.config import CompilationConfig, ModelConfig, VllmConfig, set_current_vllm_config
 
-from npu_vllm_bridge.platforms.host import mla_rotary_in_pytorch
+from npu_vllm_bridge.host.platform import mla_rotary_in_pytorch
 
 MLA = {
     **TINY_LLAMA,

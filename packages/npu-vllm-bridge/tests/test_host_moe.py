@@ -1,5 +1,5 @@
 """Host mode calls data-parallel MoE layers through vLLM's opaque ``moe_forward`` ops
-(``worker/host_moe.py``), as vLLM does on every platform but the CPU; one rank keeps
+(``host/moe.py``), as vLLM does on every platform but the CPU; one rank keeps
 vLLM's direct call. The switch itself, on MoE runners made without a model (the DP=2
 servers of ``tests-integration/test_vllm_defaults.py`` run it in an engine)."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.fused_moe.runner import moe_runner
 
-from npu_vllm_bridge.worker.host_moe import moe_layers_through_custom_op
+from npu_vllm_bridge.host.moe import moe_layers_through_custom_op
 
 
 def _runner(shared: bool) -> moe_runner.MoERunner:

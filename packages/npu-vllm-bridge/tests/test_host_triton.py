@@ -1,4 +1,4 @@
-"""Host mode's Triton interpreter for V2 (``worker/host_triton.py``), each case in a
+"""Host mode's Triton interpreter for V2 (``host/triton_interpreter.py``), each case in a
 fresh process: it acts once, when vLLM loads the platform."""
 
 from __future__ import annotations
@@ -24,21 +24,21 @@ from triton.runtime.interpreter import InterpretedFunction
 from vllm.config import VllmConfig  # vLLM checks for Triton on the way
 from vllm.platforms import current_platform
 from vllm.triton_utils import HAS_TRITON
-from npu_vllm_bridge.worker import host_triton
+from npu_vllm_bridge.host import triton_interpreter
 
 print("STATE " + json.dumps({
     "platform": type(current_platform).__name__,
     "has_triton": HAS_TRITON,
-    "interpreting": host_triton.interpreting(),
+    "interpreting": triton_interpreter.interpreting(),
     "interpret_knob": bool(knobs.runtime.interpret),
     "helpers_interpreted": isinstance(tl.max, InterpretedFunction),
     "cpu_backend_visible": "cpu" in triton.backends.backends,
-    "stand_in_visible": host_triton.ACTIVE_STAND_IN_BACKEND in triton.backends.backends,
+    "stand_in_visible": triton_interpreter.ACTIVE_STAND_IN_BACKEND in triton.backends.backends,
     "torch_sees_triton": torch.utils._triton.has_triton(),
     "env_interpret": os.environ.get("TRITON_INTERPRET"),
     # A config only where V2 runs (vLLM's own CPU platform refuses V2 without Triton).
     "jit_warmup": (
-        VllmConfig().kernel_config.enable_jit_warmup if host_triton.interpreting() else None
+        VllmConfig().kernel_config.enable_jit_warmup if triton_interpreter.interpreting() else None
     ),
 }))
 """
@@ -146,10 +146,10 @@ def test_kernel_warm_up_is_off_only_under_the_interpreter(monkeypatch, interpret
     interprets them, and leaves it otherwise."""
     from types import SimpleNamespace
 
-    from npu_vllm_bridge.worker import host_triton
+    from npu_vllm_bridge.host import triton_interpreter
 
-    monkeypatch.setattr(host_triton, "_interpreting", interpreting)
+    monkeypatch.setattr(triton_interpreter, "_interpreting", interpreting)
     config = SimpleNamespace(kernel_config=SimpleNamespace(enable_jit_warmup=True))
-    assert host_triton.no_jit_warmup_when_interpreting(config) is interpreting
+    assert triton_interpreter.no_jit_warmup_when_interpreting(config) is interpreting
     assert config.kernel_config.enable_jit_warmup is not interpreting
-    assert not host_triton.no_jit_warmup_when_interpreting(config)  # nothing left to do
+    assert not triton_interpreter.no_jit_warmup_when_interpreting(config)  # nothing left to do

@@ -1,4 +1,4 @@
-"""The PyTorch versions of V2's decode-step kernels (``worker/host_v2_kernels.py``)."""
+"""The PyTorch versions of V2's decode-step kernels (``host/v2_kernels.py``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 from v2_kernel_cases import CASES, ngram_block_size
 
-from npu_vllm_bridge.worker import host_v2_kernels
-from npu_vllm_bridge.worker.host_slot_mapping import compute_slot_mapping
-from npu_vllm_bridge.worker.host_v2_kernels import KERNELS, register_pointer_tensors
+from npu_vllm_bridge.host import v2_kernels
+from npu_vllm_bridge.host.slot_mapping import compute_slot_mapping
+from npu_vllm_bridge.host.v2_kernels import KERNELS, register_pointer_tensors
 
 CASES_SCRIPT = Path(__file__).with_name("v2_kernel_cases.py")
 
@@ -84,7 +84,7 @@ def test_writes_what_the_interpreted_kernel_writes(interpreted: dict[str, str], 
 
 def test_context_parallel_slot_mapping_follows_vllms_rule() -> None:
     """Two ranks, interleave 4: each rank's slots are those of the V1 host kernel
-    (``host_slot_mapping``), which the Triton interpreter cannot run here."""
+    (``slot_mapping``), which the Triton interpreter cannot run here."""
     torch.manual_seed(0)
     table = torch.randint(0, 40, (4, 16), dtype=torch.int32)
     query_start_loc = torch.tensor([0, 5, 30], dtype=torch.int32)
@@ -92,7 +92,7 @@ def test_context_parallel_slot_mapping_follows_vllms_rule() -> None:
     for rank in (0, 1):
         ours = torch.full((1, 40), 7, dtype=torch.int64)
         register_pointer_tensors([table])
-        host_v2_kernels._compute_slot_mappings(
+        v2_kernels._compute_slot_mappings(
             40, torch.tensor([3, 0], dtype=torch.int32), query_start_loc, positions,
             torch.tensor([table.data_ptr()], dtype=torch.uint64), torch.tensor([16]),
             torch.tensor([16], dtype=torch.int32), torch.tensor([True]), torch.tensor([True]),
@@ -113,7 +113,7 @@ def test_gumbel_sample_stores_each_rows_logits_in_its_cache_column() -> None:
     cache = torch.zeros(4, 2, 40)
     local_argmax = torch.empty(3, 1, dtype=torch.int64)
     local_max = torch.empty(3, 1)
-    host_v2_kernels._gumbel_sample(
+    v2_kernels._gumbel_sample(
         local_argmax, 1, local_max, 1, cache, 80, 40, torch.tensor([1, 0, 1]), logits, 40,
         logits, 40, torch.tensor([2, 0, -1], dtype=torch.int32), torch.arange(4),
         torch.arange(3), torch.tensor([0.0, 0.0, 0.5, 0.0]), 40,
@@ -127,7 +127,7 @@ def test_gumbel_sample_stores_each_rows_logits_in_its_cache_column() -> None:
 def test_a_pointer_no_tensor_was_registered_for_is_refused() -> None:
     stray = torch.zeros(2, 3, dtype=torch.int32)
     with pytest.raises(ValueError, match="register_pointer_tensors"):
-        host_v2_kernels._gather_block_tables(
+        v2_kernels._gather_block_tables(
             torch.tensor([0], dtype=torch.int32),
             torch.tensor([stray.data_ptr()], dtype=torch.uint64),
             torch.tensor([stray.data_ptr()], dtype=torch.uint64),
@@ -153,7 +153,7 @@ def test_update_draft_inputs_replays_with_each_replays_draft_step() -> None:
     hidden = torch.tensor([[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]])
 
     def update() -> None:
-        host_v2_kernels._update_draft_inputs(
+        v2_kernels._update_draft_inputs(
             out, steps, next_hidden, 2, input_ids, positions, sample_positions, seq_lens,
             tokens, step, hidden, 2, 2, max_model_len, steps,
         )  # fmt: skip
@@ -194,11 +194,11 @@ def test_multi_module_mtp_kernels_replay_with_each_replays_values() -> None:
         }
 
     def run(b: dict[str, torch.Tensor]) -> None:
-        host_v2_kernels._cache_inputs(
+        v2_kernels._cache_inputs(
             b["input_ids"], None, 0, b["hidden"], 8, b["cached_ids"], 2, None, 0, 0,
             b["cached_hidden"], 16, 8, b["idx_mapping"], b["last"], b["query_start_loc"], 3, 8,
         )  # fmt: skip
-        host_v2_kernels._shift_input_ids(
+        v2_kernels._shift_input_ids(
             b["input_ids"], b["idx_mapping"], b["query_start_loc"], b["last"], b["drafts"]
         )
 
@@ -244,7 +244,7 @@ def test_gumbel_sample_captured_greedy_replays_with_temperatures_and_logits_cach
         }
 
     def sample(b: dict[str, torch.Tensor]) -> None:
-        host_v2_kernels._gumbel_sample(
+        v2_kernels._gumbel_sample(
             b["local_argmax"], 3, b["local_max"], 3, b["cache"], 2 * vocab, vocab, b["column"],
             b["logits"], vocab, b["logits"], vocab, b["states"], b["seeds"], b["pos"],
             b["temperature"], vocab, BLOCK_SIZE=block, IS_DRAFTING=True,
@@ -316,12 +316,12 @@ def test_ngram_drafts_follow_the_rightmost_longest_match(seed: int) -> None:
     idx_mapping = torch.tensor(states, dtype=torch.int64)
     total_len = torch.tensor(lengths, dtype=torch.int32)
     sampled = torch.tensor(num_sampled, dtype=torch.int32)
-    host_v2_kernels._ngram_scan(
+    v2_kernels._ngram_scan(
         token_ids, token_ids.stride(0), idx_mapping, total_len, sampled, scratch,
         scratch.stride(0), max_model_len, min_n, max_n, 1 << (max_n - 1).bit_length(), block,
         num_warps=4, num_stages=2,
     )  # fmt: skip
-    host_v2_kernels._ngram_finalize(
+    v2_kernels._ngram_finalize(
         token_ids, token_ids.stride(0), idx_mapping, total_len, sampled, last_sampled.view(-1),
         scratch, scratch.stride(0), drafts, max_model_len, num_blocks, k,
         1 << (k - 1).bit_length(), 1 << (num_blocks - 1).bit_length(), num_warps=2, num_stages=1,

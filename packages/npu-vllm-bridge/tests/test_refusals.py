@@ -230,7 +230,7 @@ def test_block_size_not_a_multiple_of_16_is_refused(tmp_path):
 def test_host_mode_refuses_expert_parallelism():
     from types import SimpleNamespace
 
-    from npu_vllm_bridge.platforms.host import refuse_expert_parallel
+    from npu_vllm_bridge.host.platform import refuse_expert_parallel
 
     refuse_expert_parallel(SimpleNamespace(enable_expert_parallel=False))
     with pytest.raises(ValueError, match=r"expert parallelism \(enable_expert_parallel=True\)"):

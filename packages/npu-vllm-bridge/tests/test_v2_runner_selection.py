@@ -12,7 +12,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as GPUModelRunnerV1
 
 from npu_vllm_bridge.graphs.v2_runner import GraphManagerHook
-from npu_vllm_bridge.worker.host import HostModelRunner, HostWorker
+from npu_vllm_bridge.host.worker import HostModelRunner, HostWorker
 from npu_vllm_bridge.worker.npu import NPUModelRunner, NPUWorker
 from npu_vllm_bridge.worker.npu_v2 import NPUModelRunnerV2
 
@@ -76,7 +76,7 @@ def _host_worker(use_v2_model_runner: bool) -> HostWorker:
 
 @pytest.mark.parametrize("use_v2", [False, True])
 def test_the_host_worker_builds_the_host_runners(use_v2: bool) -> None:
-    from npu_vllm_bridge.worker.host_v2 import HostModelRunnerV2
+    from npu_vllm_bridge.host.runner_v2 import HostModelRunnerV2
 
     expected = HostModelRunnerV2 if use_v2 else HostModelRunner
     assert _host_worker(use_v2).model_runner_class() is expected

@@ -1,4 +1,4 @@
-"""Each PyTorch kernel of ``host_v2_kernels`` against vLLM's Triton kernel, interpreted.
+"""Each PyTorch kernel of ``v2_kernels`` against vLLM's Triton kernel, interpreted.
 
 Run as a script (``python v2_kernel_cases.py``) in a process of its own: it turns host
 mode's V2 set-up on (``NPU_BRIDGE_DEVICE=cpu``, ``VLLM_USE_V2_MODEL_RUNNER=1``) before
@@ -38,7 +38,7 @@ def _launch_both(case: Callable[[], tuple], kernel_name: str) -> list[tuple[torc
     return what each run wrote (the tensors the case names)."""
     import importlib
 
-    from npu_vllm_bridge.worker.host_v2_kernels import KERNELS
+    from npu_vllm_bridge.host.v2_kernels import KERNELS
 
     module_name, attr = kernel_name.rsplit(".", 1)
     kernel = getattr(importlib.import_module(module_name), attr)
@@ -53,7 +53,7 @@ def _launch_both(case: Callable[[], tuple], kernel_name: str) -> list[tuple[torc
 
 
 def _pointer_table(tensors: list[torch.Tensor]) -> torch.Tensor:
-    from npu_vllm_bridge.worker.host_v2_kernels import register_pointer_tensors
+    from npu_vllm_bridge.host.v2_kernels import register_pointer_tensors
 
     register_pointer_tensors(tensors)
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
@@ -375,7 +375,7 @@ def _ngram_scan_case(seed: int, max_model_len: int, min_n: int, max_n: int):
 def _ngram_finalize_case(seed: int, max_model_len: int, min_n: int, max_n: int, k: int):
     """The scan's scores from our version (checked against the kernel by the scan's
     cases), then the drafts."""
-    from npu_vllm_bridge.worker.host_v2_kernels import _ngram_scan
+    from npu_vllm_bridge.host.v2_kernels import _ngram_scan
 
     _, scan_args, _, (scratch,) = _ngram_scan_case(seed, max_model_len, min_n, max_n)
     _ngram_scan(*scan_args)
@@ -507,9 +507,9 @@ def main() -> None:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     from vllm.platforms import current_platform
 
-    from npu_vllm_bridge.worker import host_triton
+    from npu_vllm_bridge.host import triton_interpreter
 
-    if type(current_platform).__name__ != "HostPlatform" or not host_triton.interpreting():
+    if type(current_platform).__name__ != "HostPlatform" or not triton_interpreter.interpreting():
         raise SystemExit("host mode did not set up Triton's interpreter")
     results = {}
     for case in sys.argv[1:] or CASES:

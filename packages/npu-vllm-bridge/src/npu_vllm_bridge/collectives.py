@@ -10,10 +10,11 @@ recorded whole. Its all-gather (prefill context parallelism gathers every rank's
 rows in each MLA layer) goes the same two ways: ``shm_all_gather`` recorded whole, or
 ``npu_vllm_bridge::host_all_gather_``. Both are then re-issued by every replay, in the order captured, on every
 rank (ranks replay the same graphs step by step, as their eager steps run the same ops).
+Host mode routes vLLM's CPU communicators through them (``host/collectives.py``).
 
 Decode context parallelism exchanges tensors between the ranks of vLLM's DCP group in
 every attention layer (``attention/context_parallel.py``), and data-parallel MoE
-gathers and reduce-scatters every DP rank's tokens (``worker/host_communicator.py``):
+gathers and reduce-scatters every DP rank's tokens (``host/communicator.py``):
 ``host_all_gather_`` and ``host_all_to_all_``, likewise one custom op each that writes
 its output in place and waits, recorded whole by host graphs.
 
@@ -26,8 +27,6 @@ tensors when vLLM compiles the model (its default), can trace a model that reach
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,51 +112,3 @@ def all_to_all_(out: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
     """Rank ``r`` sends ``input``'s ``j``-th slice of dim 0 to rank ``j`` and receives
     rank ``j``'s ``r``-th slice in ``out``'s ``j``-th (equal slices)."""
     torch.ops.npu_vllm_bridge.host_all_to_all_(out, input, group_handle(group))
-
-
-class RecordedCollectives:
-    """``torch.distributed`` for a communicator, whose sum all-reduce and all-gather
-    into a tensor are one custom op each."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(dist, name)
-
-    @staticmethod
-    def all_reduce(
-        tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
-    ) -> None:
-        if op != dist.ReduceOp.SUM or async_op or group is None:
-            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        all_reduce_(tensor, group)
-        return None
-
-    @staticmethod
-    def all_gather_into_tensor(
-        output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
-    ) -> None:
-        if async_op or group is None:
-            return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
-        all_gather_(output, input, group)
-        return None
-
-
-def record_collectives_whole(communicators: list[Any]) -> None:
-    """Make the all-reduce and all-gather of vLLM's CPU ``communicators`` (its tensor-
-    and prefill-context-parallel groups) and the bridge's own collectives replayable by
-    host graphs."""
-    from npu_graphs.backends.host import HostGraphBackend
-
-    ops = torch.ops.npu_vllm_bridge
-    whole = [
-        ops.host_all_reduce_.default,
-        ops.host_all_gather_.default,
-        ops.host_all_to_all_.default,
-    ]
-    for name in ("shm_allreduce", "shm_all_gather"):
-        shm = getattr(torch.ops._C, name, None)
-        if shm is not None:
-            whole.append(shm.default)
-    HostGraphBackend.record_whole(*whole)
-    for communicator in communicators:
-        if getattr(communicator, "dist_module", None) is dist:
-            communicator.dist_module = RecordedCollectives()

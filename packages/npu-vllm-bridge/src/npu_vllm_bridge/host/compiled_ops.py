@@ -10,15 +10,15 @@ PyTorch function here:
 * ``init_cpu_memory_env``: what vLLM's op does when built without NUMA support
   (``VLLM_NUMA_DISABLED``): memory stays where the OS puts it; the node ids are checked;
 * ``compute_slot_mapping_kernel_impl``: the bridge's own slot mapping of one rank
-  (``host_slot_mapping.scheduled_slots``);
+  (``slot_mapping.scheduled_slots``);
 * ``greedy_argmax``: the first largest logit of each row;
 * ``fused_gumbel_argmax``: Gumbel-max sampling with a generator per row seeded by the
   row's seed (the same distribution as the compiled op, not the same random stream);
 * V1 speculative decoding's kernels, which vLLM's CPU platform calls in place of their
   Triton versions: rejection sampling (greedy, random, recovered tokens, ``expand``)
-  and EAGLE's input preparation (``host_spec_ops.py``);
+  and EAGLE's input preparation (``spec_ops.py``);
 * the CPU MoE experts, ``prepack_moe_weight`` and ``cpu_fused_moe``
-  (``host_moe_ops.py``).
+  (``moe_ops.py``).
 
 And one is avoided instead: ``rotary_embedding`` (vLLM's rotary layer calls it on CPU
 with custom ops on); :func:`avoid_missing_custom_ops` has vLLM use its PyTorch rotary
@@ -26,7 +26,7 @@ embedding. vLLM's own CPU attention backends are not among them: an empty build 
 no CPU platform of its own, so they cannot be selected.
 
 Model Runner V2's kernels run as PyTorch versions or under Triton's interpreter
-(``host_v2_kernels.py``).
+(``v2_kernels.py``).
 
 Where ``vllm._C`` exists nothing here acts.
 """
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from npu_vllm_bridge.worker import host_moe_ops, host_spec_ops
-from npu_vllm_bridge.worker.host_slot_mapping import scheduled_slots
+from npu_vllm_bridge.host import moe_ops, spec_ops
+from npu_vllm_bridge.host.slot_mapping import scheduled_slots
 
 NAMESPACE = "_C"
 ROTARY_OP = "rotary_embedding"
@@ -112,7 +112,7 @@ OPS: dict[str, tuple[str, Callable[..., Any]]] = {
         "rejection_greedy_sample_kernel_impl(Tensor(a0!) output_token_ids, "
         "Tensor cu_num_draft_tokens, Tensor draft_token_ids, Tensor target_argmax, "
         "Tensor bonus_token_ids, Tensor? is_greedy, SymInt max_spec_len) -> ()",
-        host_spec_ops.rejection_greedy_sample,
+        spec_ops.rejection_greedy_sample,
     ),
     "rejection_random_sample_kernel_impl": (
         "rejection_random_sample_kernel_impl(Tensor(a0!) output_token_ids, "
@@ -120,39 +120,39 @@ OPS: dict[str, tuple[str, Callable[..., Any]]] = {
         "Tensor target_probs, Tensor bonus_token_ids, Tensor recovered_token_ids, "
         "Tensor uniform_probs, Tensor? is_greedy, SymInt max_spec_len, SymInt vocab_size, "
         "bool no_draft_probs) -> ()",
-        host_spec_ops.rejection_random_sample,
+        spec_ops.rejection_random_sample,
     ),
     "expand_kernel_impl": (
         "expand_kernel_impl(Tensor(a0!) output, Tensor input, Tensor cu_num_tokens, "
         "SymInt replace_from, SymInt replace_to) -> ()",
-        host_spec_ops.expand,
+        spec_ops.expand,
     ),
     "sample_recovered_tokens_kernel_impl": (
         "sample_recovered_tokens_kernel_impl(Tensor(a0!) output_token_ids, "
         "Tensor cu_num_draft_tokens, Tensor draft_token_ids, Tensor? draft_probs, "
         "Tensor target_probs, Tensor inv_q, SymInt vocab_size, bool no_draft_probs) -> ()",
-        host_spec_ops.sample_recovered_tokens,
+        spec_ops.sample_recovered_tokens,
     ),
     "eagle_prepare_inputs_padded_kernel_impl": (
         "eagle_prepare_inputs_padded_kernel_impl(Tensor cu_num_draft_tokens, "
         "Tensor valid_sampled_tokens_count, Tensor query_start_loc_gpu, "
         "Tensor(a3!) token_indices_to_sample, Tensor(a4!) num_rejected_tokens_gpu, "
         "SymInt num_reqs) -> ()",
-        host_spec_ops.eagle_prepare_inputs_padded,
+        spec_ops.eagle_prepare_inputs_padded,
     ),
     "eagle_prepare_next_token_padded_kernel_impl": (
         "eagle_prepare_next_token_padded_kernel_impl(Tensor sampled_token_ids, "
         "Tensor discard_request_mask, Tensor backup_next_token_ids, "
         "Tensor(a3!) next_token_ids, Tensor(a4!) valid_sampled_tokens_count, "
         "SymInt vocab_size, SymInt num_sampled_tokens_per_req, SymInt num_reqs) -> ()",
-        host_spec_ops.eagle_prepare_next_token_padded,
+        spec_ops.eagle_prepare_next_token_padded,
     ),
     "eagle_step_slot_mapping_metadata_kernel_impl": (
         "eagle_step_slot_mapping_metadata_kernel_impl(Tensor positions, Tensor block_table, "
         "Tensor(a2!) seq_lens, Tensor(a3!) out_clamped_positions, "
         "Tensor(a4!) out_slot_mapping, SymInt block_size, SymInt max_model_len, "
         "SymInt PAD_ID) -> ()",
-        host_spec_ops.eagle_step_slot_mapping_metadata,
+        spec_ops.eagle_step_slot_mapping_metadata,
     ),
     "copy_and_expand_eagle_inputs_kernel_impl": (
         "copy_and_expand_eagle_inputs_kernel_impl(Tensor target_token_ids, "
@@ -163,17 +163,17 @@ OPS: dict[str, tuple[str, Callable[..., Any]]] = {
         "Tensor query_end_loc, SymInt padding_token_id, SymInt parallel_drafting_token_id, "
         "SymInt total_input_tokens, SymInt num_padding_slots_per_request, "
         "bool shift_input_ids) -> ()",
-        host_spec_ops.copy_and_expand_eagle_inputs,
+        spec_ops.copy_and_expand_eagle_inputs,
     ),
     "prepack_moe_weight": (
         "prepack_moe_weight(Tensor weight, Tensor(a1!) packed_weight, str isa) -> ()",
-        host_moe_ops.prepack_moe_weight,
+        moe_ops.prepack_moe_weight,
     ),
     "cpu_fused_moe": (
         "cpu_fused_moe(Tensor(a0!) output, Tensor input, Tensor w13, Tensor w2, "
         "Tensor? w13_bias, Tensor? w2_bias, Tensor topk_weights, Tensor topk_id, "
         "bool skip_weighted, str act, str isa) -> ()",
-        host_moe_ops.cpu_fused_moe,
+        moe_ops.cpu_fused_moe,
     ),
 }
 

@@ -2,7 +2,7 @@
 
 vLLM's CPU MoE experts (``CPUUnquantizedExperts``) prepack each layer's expert weights
 once (``torch.ops._C.prepack_moe_weight``) and run the experts with
-``torch.ops._C.cpu_fused_moe``. ``host_compiled_ops`` defines these two under their own
+``torch.ops._C.cpu_fused_moe``. ``compiled_ops`` defines these two under their own
 names where ``vllm._C`` does not exist. The pair agrees on its own layout: "prepacking"
 copies the weights as they are, and the experts read them so. (The compiled kernels use
 a blocked layout of their own; their pair gives the same expert output.)

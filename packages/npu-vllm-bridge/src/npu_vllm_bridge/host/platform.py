@@ -11,7 +11,7 @@ compile path: with piecewise graphs host mode keeps vLLM's compile path (Dynamo,
 split at attention) with the ``eager`` backend, and otherwise turns compilation off.
 
 vLLM's V1 model runner by default; with ``VLLM_USE_V2_MODEL_RUNNER=1``, Model Runner V2
-under Triton's interpreter, set up when vLLM loads this module (``worker/host_triton.py``).
+under Triton's interpreter, set up when vLLM loads this module (``host/triton_interpreter.py``).
 
 Micro-batch overlap (``--enable-dbo``) runs on data-parallel MoE models: the request is
 held past ``CpuPlatform``'s switch-off and vLLM's all-to-all check, and restored in the
@@ -27,27 +27,27 @@ from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
 from npu_vllm_bridge.graphs.ubatch_config import hold_micro_batching
+from npu_vllm_bridge.host import compiled_ops, triton_interpreter
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 from npu_vllm_bridge.settings import PREFIX, BridgeSettings
 from npu_vllm_bridge.vllm_version import require_supported_vllm
-from npu_vllm_bridge.worker import host_compiled_ops, host_triton
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(f"vllm.{__name__}")
 
-HOST_WORKER = "npu_vllm_bridge.worker.host.HostWorker"
-HOST_COMMUNICATOR = "npu_vllm_bridge.worker.host_communicator.HostCommunicator"
+HOST_WORKER = "npu_vllm_bridge.host.worker.HostWorker"
+HOST_COMMUNICATOR = "npu_vllm_bridge.host.communicator.HostCommunicator"
 OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 require_supported_vllm()
 # Before vLLM checks for Triton: V2, when asked for, runs under Triton's interpreter.
-host_triton.interpret_triton_for_v2()
+triton_interpreter.interpret_triton_for_v2()
 # On a vLLM built without its compiled ops (the empty build): PyTorch versions of those
 # its CPU worker and sampler call.
-host_compiled_ops.register_missing()
+compiled_ops.register_missing()
 
 
 class HostPlatform(BridgePlatformMixin, CpuPlatform):
@@ -78,7 +78,7 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         _restore_mla_scheduling(vllm_config, mla_settings)
         mla_rotary_in_pytorch(vllm_config)
         _avoid_missing_compiled_ops(vllm_config)
-        host_triton.no_jit_warmup_when_interpreting(vllm_config)
+        triton_interpreter.no_jit_warmup_when_interpreting(vllm_config)
         if compilation.cudagraph_mode != CUDAGraphMode.NONE:
             compilation.cudagraph_capture_sizes = capture_sizes
             _host_graph_compilation(compilation, requested_mode)
@@ -102,13 +102,13 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         from vllm.triton_utils import HAS_TRITON
 
         if not HAS_TRITON:  # else vLLM's Triton kernel runs as it is
-            from npu_vllm_bridge.worker import host_slot_mapping
+            from npu_vllm_bridge.host import slot_mapping
 
-            host_slot_mapping.register()
-        elif host_triton.interpreting():
-            from npu_vllm_bridge.worker import host_v2_kernels
+            slot_mapping.register()
+        elif triton_interpreter.interpreting():
+            from npu_vllm_bridge.host import v2_kernels
 
-            host_v2_kernels.register()
+            v2_kernels.register()
 
     @classmethod
     def device_id_to_physical_device_id(cls, device_id: int) -> int:
@@ -211,8 +211,8 @@ def mla_rotary_in_pytorch(vllm_config: VllmConfig) -> None:
 
 def _avoid_missing_compiled_ops(vllm_config: VllmConfig) -> None:
     """On a vLLM without ``vllm._C``, vLLM's PyTorch paths of custom ops whose CPU path
-    calls a compiled op (``host_compiled_ops.avoid_missing_custom_ops``)."""
-    added = host_compiled_ops.avoid_missing_custom_ops(vllm_config.compilation_config.custom_ops)
+    calls a compiled op (``compiled_ops.avoid_missing_custom_ops``)."""
+    added = compiled_ops.avoid_missing_custom_ops(vllm_config.compilation_config.custom_ops)
     if added:
         logger.info(
             f"{PREFIX} host mode: %s (this vLLM build has no compiled CPU ops)", ", ".join(added)

@@ -14,9 +14,9 @@ from typing import Any
 from vllm.config import CompilationMode
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
 
+from npu_vllm_bridge.host.moe import moe_layers_through_custom_op
+from npu_vllm_bridge.host.v2_kernels import register_pointer_tensors
 from npu_vllm_bridge.worker.bridge_runner import BridgeModelRunnerV2
-from npu_vllm_bridge.worker.host_moe import moe_layers_through_custom_op
-from npu_vllm_bridge.worker.host_v2_kernels import register_pointer_tensors
 
 
 class HostModelRunnerV2(BridgeModelRunnerV2, CPUModelRunnerV2):

@@ -2,7 +2,7 @@
 
 vLLM's CPU platform replaces V1's Triton kernels of rejection sampling and EAGLE's
 input preparation with wrappers (``vllm.utils.cpu_triton_utils``) that call compiled
-ops of ``vllm._C``. A vLLM built empty has none; ``host_compiled_ops`` defines these
+ops of ``vllm._C``. A vLLM built empty has none; ``compiled_ops`` defines these
 functions under the ops' names and schemas there. Each follows the Triton kernel it
 replaces (``vllm/v1/sample/rejection_sampler.py``, ``vllm/v1/spec_decode/utils.py``),
 with the compiled op's arguments: outputs are written in place, in their own dtypes.

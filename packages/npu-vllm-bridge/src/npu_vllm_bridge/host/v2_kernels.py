@@ -1,13 +1,13 @@
 """PyTorch versions of the Triton kernels on a V2 decode step's path, for host mode.
 
-Host mode runs vLLM's V2 model runner under Triton's interpreter (``host_triton.py``),
+Host mode runs vLLM's V2 model runner under Triton's interpreter (``triton_interpreter.py``),
 which takes tens of milliseconds per launch (``_gumbel_sample_kernel`` about a second
 on SmolLM2's vocabulary). :func:`register` hands vLLM's kernel dispatcher
 (``vllm.triton_utils.dispatcher.register_kernels``) these versions of the kernels a
 decode step launches: inputs, block tables and slot mappings, sampling, the update
 after sampling, and the staged writes of new block ids. And those that the EAGLE / MTP
 drafters' FULL graphs capture (an interpreted kernel cannot be recorded in a host
-graph, ``host_triton.py``): the update of a draft step's inputs, and multi-module MTP's
+graph, ``triton_interpreter.py``): the update of a draft step's inputs, and multi-module MTP's
 cache of its draft inputs and shift of input ids (not the shift of input embeddings,
 which only multimodal drafters run). These read no value of a tensor on the host, so
 that a host graph replays them with each replay's values. And the ngram drafter's scan

@@ -10,11 +10,11 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from npu_vllm_bridge.collectives import record_collectives_whole
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
+from npu_vllm_bridge.host.collectives import record_collectives_whole
+from npu_vllm_bridge.host.moe import moe_layers_through_custom_op
 from npu_vllm_bridge.worker.bridge_runner import BridgeModelRunner
 from npu_vllm_bridge.worker.bridge_worker import BridgeWorkerMixin
-from npu_vllm_bridge.worker.host_moe import moe_layers_through_custom_op
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -64,7 +64,7 @@ def record_cpu_gemms_whole() -> None:
 class HostWorker(BridgeWorkerMixin, CPUWorker):
     """vLLM's ``CPUWorker`` with what the bridge's workers add on the NPU too
     (``bridge_worker.py``: the runner of the model runner vLLM selected,
-    :class:`HostModelRunner` or ``HostModelRunnerV2`` (``host_v2.py``), the graph-memory
+    :class:`HostModelRunner` or ``HostModelRunnerV2`` (``runner_v2.py``), the graph-memory
     reserve before the KV cache, the counters); captures graphs after warm-up.
     Micro-batch overlap held by the platform is switched back on first
     (``graphs/ubatch_config.py``)."""
@@ -81,7 +81,7 @@ class HostWorker(BridgeWorkerMixin, CPUWorker):
         record_collectives_whole([group.device_communicator for group in groups])
 
     def runner_classes(self) -> tuple[type, type]:
-        from npu_vllm_bridge.worker.host_v2 import HostModelRunnerV2
+        from npu_vllm_bridge.host.runner_v2 import HostModelRunnerV2
 
         return HostModelRunner, HostModelRunnerV2
 

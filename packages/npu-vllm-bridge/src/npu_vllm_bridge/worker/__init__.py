@@ -1,1 +1,1 @@
-"""Workers and model runners: host (vLLM's CPU ones + graph wiring) and NPU."""
+"""The NPU worker and model runners, and what the NPU and host workers share."""

@@ -1,7 +1,7 @@
 """What the bridge's model runners add to vLLM's, on the NPU and in host mode alike.
 
-The NPU runners (``npu.py``, ``npu_v2.py``) and the host runners (``host.py``,
-``host_v2.py``) mix these in before vLLM's runner class, so that what the NPU runs beyond
+The NPU runners (``npu.py``, ``npu_v2.py``) and the host runners (``host/worker.py``,
+``host/runner_v2.py``) mix these in before vLLM's runner class, so that what the NPU runs beyond
 vLLM's own runner also runs in host mode, and with the conformance stand-ins, in a
 simulated NPU:
 
