@@ -98,19 +98,19 @@ def test_swap_and_patch_restore_what_they_replace() -> None:
         assert module.UBatchWrapper is StandIn
     assert module.UBatchWrapper is original
 
-    class Layer:
-        def _get_positions(self, num_tokens: int) -> int:
-            return num_tokens
+    class Runner:
+        def _warmup_and_capture(self, desc: int) -> int:
+            return desc
 
-    layer = Layer()
+    runner = Runner()
     calls = []
     before = vllm_seam.wrap_instance_method(
-        layer,
-        vllm_seam.DRAFTER_GET_POSITIONS,
-        lambda own: lambda n: calls.append(n) or own(n) + 1,
+        runner,
+        vllm_seam.V1_WARMUP_AND_CAPTURE,
+        lambda own: lambda desc: calls.append(desc) or own(desc) + 1,
     )
-    assert vllm_seam.drafter_positions(layer, 3) == 4 and calls == [3] and before(3) == 3
-    assert Layer()._get_positions(3) == 3  # the class is left alone
+    assert vllm_seam.warmup_and_capture(runner, 3) == 4 and calls == [3] and before(3) == 3
+    assert Runner()._warmup_and_capture(3) == 3  # the class is left alone
 
 
 def _seam_names() -> dict[str, set[str]]:
@@ -293,8 +293,7 @@ _OVERRIDDEN_HOOKS = {vllm_seam.WORKER_MAKE_MODEL_RUNNER.name}
 
 # Public vLLM names the bridge replaces on instances (through the seam only).
 _PATCHED_PUBLIC_NAMES = {
-    vllm_seam.DRAFTER_PROPOSE.name,
-    vllm_seam.DRAFTER_BUILD_ATTN_METADATA.name,
+    vllm_seam.V2_SPECULATOR_PROPOSE.name,
     vllm_seam.V2_MODEL_STATE_PREPARE_ATTN.name,
     vllm_seam.MLA_DCP_MANAGER.name,
     vllm_seam.CPU_COMMUNICATOR_DIST_MODULE.name,

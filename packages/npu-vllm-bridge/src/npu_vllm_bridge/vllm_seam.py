@@ -196,40 +196,6 @@ COMPILATION_COUNTER_CUDAGRAPHS = _entry(
     "restored after the memory estimate's captures",
 )  # fmt: skip
 
-_V1_DRAFTER = "vllm.v1.spec_decode.llm_base_proposer"
-DRAFTER_PROPOSE = _entry(
-    _V1_DRAFTER, "SpecDecodeBaseProposer.propose", METHOD,
-    _names(
-        "self num_speculative_tokens target_token_ids target_positions target_hidden_states "
-        "next_token_ids token_indices_to_sample common_attn_metadata sampling_metadata "
-        "mm_embed_inputs num_rejected_tokens_gpu slot_mappings"
-    ),
-    "wrapped on the instance: marks a proposal for the drafter's FULL graphs",
-)  # fmt: skip
-DRAFTER_BUILD_ATTN_METADATA = _entry(
-    _V1_DRAFTER, "SpecDecodeBaseProposer.build_per_group_and_layer_attn_metadata", METHOD,
-    _names("self common_attn_metadata draft_index"),
-    "wrapped on the instance: pads a uniform pass to its captured size",
-)  # fmt: skip
-DRAFTER_DETERMINE_BATCH_EXECUTION = _entry(
-    _V1_DRAFTER, "SpecDecodeBaseProposer._determine_batch_execution_and_padding", METHOD,
-    _names("self num_tokens use_cudagraphs"),
-    "wrapped on the instance: answers FULL with the captured size",
-)  # fmt: skip
-DRAFTER_GET_SLOT_MAPPING = _entry(
-    _V1_DRAFTER, "SpecDecodeBaseProposer._get_slot_mapping", METHOD,
-    _names("self num_tokens slot_mapping"),
-    "the slot buffer a drafter pass passes, for the FULL capture",
-)  # fmt: skip
-DRAFTER_GET_POSITIONS = _entry(
-    _V1_DRAFTER, "SpecDecodeBaseProposer._get_positions", METHOD, _names("self num_tokens"),
-    "the positions buffer a drafter pass passes, for the FULL capture",
-)  # fmt: skip
-DRAFTER_MODEL = _entry(
-    _V1_DRAFTER, "SpecDecodeBaseProposer.model", INSTANCE_ATTRIBUTE, None,
-    "the drafter's model, replaced by the bridge's draft graph wrapper",
-)  # fmt: skip
-
 # --- Model Runner V2 -----------------------------------------------------------------
 
 _V2_GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
@@ -504,12 +470,6 @@ INTERNALS: tuple[Internal, ...] = (
     V1_INIT_MINIMAL_KV_CACHE_FOR_PROFILING,
     V1_CLEANUP_PROFILING_KV_CACHE,
     COMPILATION_COUNTER_CUDAGRAPHS,
-    DRAFTER_PROPOSE,
-    DRAFTER_BUILD_ATTN_METADATA,
-    DRAFTER_DETERMINE_BATCH_EXECUTION,
-    DRAFTER_GET_SLOT_MAPPING,
-    DRAFTER_GET_POSITIONS,
-    DRAFTER_MODEL,
     V2_MODEL_GRAPH_MANAGER,
     V2_TDAR_SPECULATOR_GRAPH_MANAGER,
     V2_MTP_SPECULATOR_GRAPH_MANAGER,
@@ -667,16 +627,6 @@ def cleanup_profiling_kv_cache(runner: Any) -> None:
 def set_cudagraphs_captured_count(count: int) -> None:
     """vLLM's compilation counter of captured graphs (:data:`COMPILATION_COUNTER_CUDAGRAPHS`)."""
     set_attribute(COMPILATION_COUNTER_CUDAGRAPHS.owner(), COMPILATION_COUNTER_CUDAGRAPHS, count)
-
-
-def drafter_slot_mapping(drafter: Any, num_tokens: int, slot_mapping: Any) -> Any:
-    """The slot buffer a V1 drafter pass passes (:data:`DRAFTER_GET_SLOT_MAPPING`)."""
-    return call_method(drafter, DRAFTER_GET_SLOT_MAPPING, num_tokens, slot_mapping)
-
-
-def drafter_positions(drafter: Any, num_tokens: int) -> Any:
-    """The positions a V1 drafter pass passes (:data:`DRAFTER_GET_POSITIONS`)."""
-    return call_method(drafter, DRAFTER_GET_POSITIONS, num_tokens)
 
 
 def capture_descs(manager: Any) -> Any:
