@@ -390,6 +390,16 @@ CPU_COMPUTE_SLOT_MAPPING = _entry(
     ),
     "vLLM's CPU slot mapping, which host mode runs for one context-parallel rank",
 )  # fmt: skip
+COMPUTE_SLOT_MAPPING_KERNEL = Internal(
+    "vllm.v1.worker.block_table", "ComputeSlotMappingKernel.kernel", TRITON_KERNEL,
+    _names(
+        "num_tokens max_num_tokens query_start_loc_ptr positions_ptr block_table_ptr "
+        "block_table_stride slot_mapping_ptr KV_CACHE_BLOCK_SIZE TOTAL_CP_WORLD_SIZE "
+        "TOTAL_CP_RANK CP_KV_CACHE_INTERLEAVE_SIZE PAD_ID BLOCK_SIZE"
+    ),
+    "V1's slot-mapping kernel, which host mode replaces by a PyTorch version that takes "
+    "decode context parallelism (kernel dispatcher key)",
+)  # fmt: skip
 
 
 def _op(name: str, params: tuple[str, ...] | None, why: str) -> Internal:
@@ -487,6 +497,7 @@ INTERNALS: tuple[Internal, ...] = (
     MOE_FORWARD_ENTRY,
     CPU_COMMUNICATOR_DIST_MODULE,
     CPU_COMPUTE_SLOT_MAPPING,
+    COMPUTE_SLOT_MAPPING_KERNEL,
     *COMPILED_OPS,
 )
 

@@ -33,16 +33,16 @@ Where ``vllm._C`` exists nothing here acts.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from npu_vllm_bridge import vllm_seam
 from npu_vllm_bridge.host import moe_ops, spec_ops
 from npu_vllm_bridge.host.slot_mapping import scheduled_slots
 
-NAMESPACE = "_C"
+NAMESPACE = vllm_seam.COMPILED_OPS_NAMESPACE
 ROTARY_OP = "rotary_embedding"
 
 
@@ -182,7 +182,7 @@ _library: torch.library.Library | None = None
 
 def compiled_ops_present() -> bool:
     """Whether this vLLM build has its compiled ops (``vllm._C``)."""
-    return importlib.util.find_spec("vllm._C") is not None
+    return vllm_seam.compiled_ops_present()
 
 
 def register_missing() -> list[str]:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from npu_vllm_bridge.vllm_seam import moe_has_shared_experts, set_moe_forward_entry
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -36,6 +38,6 @@ def moe_layers_through_custom_op(vllm_config: VllmConfig) -> int:
     layers = vllm_config.compilation_config.static_forward_context.values()
     runners = [layer for layer in layers if isinstance(layer, MoERunner)]
     for runner in runners:
-        shared = runner._shared_experts is not None
-        runner._forward_entry = ops.moe_forward_shared if shared else ops.moe_forward
+        shared = moe_has_shared_experts(runner)
+        set_moe_forward_entry(runner, ops.moe_forward_shared if shared else ops.moe_forward)
     return len(runners)

@@ -16,6 +16,7 @@ from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
 
 from npu_vllm_bridge.host.moe import moe_layers_through_custom_op
 from npu_vllm_bridge.host.v2_kernels import register_pointer_tensors
+from npu_vllm_bridge.vllm_seam import pcp_local_block_tables
 from npu_vllm_bridge.worker.bridge_runner import BridgeModelRunnerV2
 
 
@@ -40,6 +41,6 @@ class HostModelRunnerV2(BridgeModelRunnerV2, CPUModelRunnerV2):
         tables = self.block_tables
         register_pointer_tensors([table.gpu for table in tables.block_tables])
         register_pointer_tensors(tables.input_block_tables)
-        pcp_tables = getattr(self.pcp_manager, "_local_block_tables", None)
+        pcp_tables = pcp_local_block_tables(self.pcp_manager)
         if pcp_tables is not None:  # prefill context parallel: each rank's local rows
             register_pointer_tensors(pcp_tables)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
+from npu_vllm_bridge.vllm_seam import COMPUTE_SLOT_MAPPING_KERNEL, cpu_compute_slot_mapping
 
 
 def compute_slot_mapping(
@@ -33,9 +33,7 @@ def compute_slot_mapping(
     """Slot of each scheduled token on this rank; ``PAD_ID`` for tokens another rank
     keeps and for the rest of the buffer (the arguments of vLLM's Triton kernel)."""
     if TOTAL_CP_WORLD_SIZE == 1:
-        from vllm.utils import cpu_triton_utils
-
-        cpu_triton_utils._compute_slot_mapping_kernel_impl(
+        cpu_compute_slot_mapping(
             num_tokens,
             max_num_tokens,
             query_start_loc,
@@ -82,4 +80,4 @@ def register() -> None:
     """Put :func:`compute_slot_mapping` in place of vLLM's slot-mapping kernel."""
     from vllm.triton_utils.dispatcher import register_kernels
 
-    register_kernels({KERNEL: compute_slot_mapping})
+    register_kernels({COMPUTE_SLOT_MAPPING_KERNEL.path: compute_slot_mapping})

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from npu_vllm_bridge.vllm_seam import v2_kernel_path
+
 _MASK32 = 0xFFFFFFFF
 _DRAFT_NOISE_SALT = 1 << 30  # vLLM's offset of drafting noise (sample/gumbel.py)
 _MURMUR3_HI_DOMAIN = 0x9E3779B9
@@ -777,31 +779,21 @@ def _ngram_finalize(
     _write_flat(drafts_ptr, (batch[:, None] * K + column).reshape(-1), drafts.reshape(-1))
 
 
-# vLLM's kernel -> its PyTorch version here.
+# vLLM's kernel (its dispatcher key) -> its PyTorch version here.
 KERNELS = {
-    "vllm.v1.worker.gpu.input_batch._prepare_pos_seq_lens_kernel": _prepare_pos_seq_lens,
-    "vllm.v1.worker.gpu.input_batch._combine_sampled_and_draft_tokens_kernel": (
-        _combine_sampled_and_draft_tokens
-    ),
-    "vllm.v1.worker.gpu.input_batch._get_num_sampled_and_rejected_kernel": (
-        _get_num_sampled_and_rejected
-    ),
-    "vllm.v1.worker.gpu.input_batch._post_update_kernel": _post_update,
-    "vllm.v1.worker.gpu.block_table._gather_block_tables_kernel": _gather_block_tables,
-    "vllm.v1.worker.gpu.block_table._compute_slot_mappings_kernel": _compute_slot_mappings,
-    "vllm.v1.worker.gpu.buffer_utils._apply_write_kernel": _apply_write,
-    "vllm.v1.worker.gpu.sample.gumbel._gumbel_sample_kernel": _gumbel_sample,
-    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator._update_draft_inputs_kernel": (
-        _update_draft_inputs
-    ),
-    "vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator._cache_inputs_kernel": (
-        _cache_inputs
-    ),
-    "vllm.v1.worker.gpu.spec_decode.multi_module_mtp.speculator._shift_input_ids_kernel": (
-        _shift_input_ids
-    ),
-    "vllm.v1.worker.gpu.spec_decode.ngram.speculator._ngram_scan_kernel": _ngram_scan,
-    "vllm.v1.worker.gpu.spec_decode.ngram.speculator._ngram_finalize_kernel": _ngram_finalize,
+    v2_kernel_path("_prepare_pos_seq_lens_kernel"): _prepare_pos_seq_lens,
+    v2_kernel_path("_combine_sampled_and_draft_tokens_kernel"): _combine_sampled_and_draft_tokens,
+    v2_kernel_path("_get_num_sampled_and_rejected_kernel"): _get_num_sampled_and_rejected,
+    v2_kernel_path("_post_update_kernel"): _post_update,
+    v2_kernel_path("_gather_block_tables_kernel"): _gather_block_tables,
+    v2_kernel_path("_compute_slot_mappings_kernel"): _compute_slot_mappings,
+    v2_kernel_path("_apply_write_kernel"): _apply_write,
+    v2_kernel_path("_gumbel_sample_kernel"): _gumbel_sample,
+    v2_kernel_path("_update_draft_inputs_kernel"): _update_draft_inputs,
+    v2_kernel_path("_cache_inputs_kernel"): _cache_inputs,
+    v2_kernel_path("_shift_input_ids_kernel"): _shift_input_ids,
+    v2_kernel_path("_ngram_scan_kernel"): _ngram_scan,
+    v2_kernel_path("_ngram_finalize_kernel"): _ngram_finalize,
 }
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -13,6 +12,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
 from npu_vllm_bridge.host.collectives import record_collectives_whole
 from npu_vllm_bridge.host.moe import moe_layers_through_custom_op
+from npu_vllm_bridge.vllm_seam import compiled_op
 from npu_vllm_bridge.worker.bridge_runner import BridgeModelRunner
 from npu_vllm_bridge.worker.bridge_worker import BridgeWorkerMixin
 
@@ -57,7 +57,7 @@ def record_cpu_gemms_whole() -> None:
     """Register vLLM's CPU GEMM custom ops (those this build has) as whole host-graph ops."""
     from npu_graphs.backends.host import HostGraphBackend
 
-    packets = [getattr(torch.ops._C, name, None) for name in _CPU_GEMM_OPS]
+    packets = [compiled_op(name) for name in _CPU_GEMM_OPS]
     HostGraphBackend.record_whole(*[p.default for p in packets if p is not None])
 
 
