@@ -131,19 +131,28 @@ def ngram_drafts_by_rule(
 
 
 def _skip_v2_draft_updates(skipped: list[int]):
-    """The drafter's managers replay without re-issuing their tasks; returns the
+    """The drafter's graph components replay without re-issuing their tasks (the task
+    registry's update does nothing during a drafter replay that has tasks); returns the
     function that puts the update back."""
-    from npu_vllm_bridge.graphs.v2_draft_graphs import BridgeSpeculatorGraphManager
+    from npu_graphs import TaskRegistry
+    from npu_vllm_bridge.graphs.full_graphs import DRAFTER, FullGraphs
 
-    update = BridgeSpeculatorGraphManager._update_tasks
+    replay, update = FullGraphs.replay, TaskRegistry.update
 
-    def skip(self, desc, attn_metadata) -> None:
+    def replay_skipping_update(self, key, attn_metadata, *args, **kwargs):
+        if self.role != DRAFTER or not self.tasks.num_tasks(key):
+            return replay(self, key, attn_metadata, *args, **kwargs)
         skipped.append(1)
+        TaskRegistry.update = lambda registry, key, step: None
+        try:
+            return replay(self, key, attn_metadata, *args, **kwargs)
+        finally:
+            TaskRegistry.update = update
 
     def restore() -> None:
-        BridgeSpeculatorGraphManager._update_tasks = update
+        FullGraphs.replay = replay
 
-    BridgeSpeculatorGraphManager._update_tasks = skip
+    FullGraphs.replay = replay_skipping_update
     return restore
 
 
