@@ -236,6 +236,10 @@ def test_bridge_wrapper_updates_each_kv_cache_group_with_its_own_plan():
     assert counters.replayed_steps == len(STEPS) - 1
     assert counters.task_updates == len(STEPS) - 1
     assert counters.eager_steps == len(STEPS)
+    counts = wrapper.full.counts  # the graph component's own
+    assert (counts.captured, counts.replayed, counts.task_updates) == (1, 3, 3)  # 1 + 3 steps
+    wrapper.clear_graphs()  # as after the memory profile: neither graphs nor counts stay
+    assert not wrapper.has_graph(descriptor) and wrapper.full.counts.captured == 0
 
 
 def test_skipped_update_of_one_group_is_caught():
