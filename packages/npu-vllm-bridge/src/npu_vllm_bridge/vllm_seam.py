@@ -530,15 +530,6 @@ def set_attribute(obj: Any, entry: Internal, value: Any) -> None:
     setattr(obj, entry.name, value)
 
 
-def patch_instance_method(obj: Any, entry: Internal, replacement: Callable[..., Any]) -> Any:
-    """Replace the method ``entry`` on the instance ``obj`` (not its class) by
-    ``replacement``; returns the bound method it replaced."""
-    _check_kind(entry, METHOD)
-    original = getattr(obj, entry.name)
-    setattr(obj, entry.name, replacement)
-    return original
-
-
 def wrap_instance_method(
     obj: Any, entry: Internal, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
 ) -> Callable[..., Any]:
