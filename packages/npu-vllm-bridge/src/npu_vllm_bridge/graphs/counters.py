@@ -1,22 +1,52 @@
-"""Process-wide graph counters: what was captured, replayed and updated, and how
-micro-batched (DBO) steps ran."""
+"""Graph counters: what was captured, replayed and updated, and how micro-batched (DBO)
+steps ran. Nothing here is process-wide: every count lives in an object its owner holds.
+
+* Each graph component owns a :class:`GraphCounters` (its ``counters``) and counts into
+  it: ``FullGraphs`` its captures, replays and task updates (a drafter's, role
+  ``DRAFTER``, into the ``draft_*`` fields, its captures also in ``captured``); V1's
+  ``BridgeGraphWrapper`` its PIECEWISE captures and piece replays and, for the wrapper
+  that counts a model's steps, the steps run without graphs; V2's graph managers their
+  dispatches without graphs (a drafter's into ``draft_other_forwards``); the micro-batch
+  wrapper its split steps and micro-batched graphs.
+* The model runner owns one too, for what its start-up counts (capture time and bytes,
+  the graph-memory estimate, ``serving``), and answers ``graph_counters()``: the sum
+  (:func:`sum_counters`) of its own and its components', a fresh object each call.
+* The worker writes its runner's sum after each step where ``NPU_BRIDGE_COUNTERS_DIR``
+  asks (:func:`write_counters_where_asked`): how a server's worker processes report.
+
+A new component holds ``self.counters = GraphCounters()``, counts into it, and is found
+by its runner (``graph_components()`` of ``graphs/runner.py`` / ``worker/bridge_runner.py``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from vllm.logger import init_logger
 
 logger = init_logger(f"vllm.{__name__}")
 
+# The counts of model forwards, zeroed after start-up (warm-up forwards are not steps).
+STEP_FIELDS = (
+    "eager_steps",
+    "off_grid_steps",
+    "draft_other_forwards",
+    "split_steps",
+    "split_decode_steps",
+    "split_prefill_steps",
+    "split_unequal_steps",
+    "split_forwards_run",
+    "split_yields",
+)
+
 
 @dataclass
 class GraphCounters:
-    """Counts since start-up (or the last :func:`reset_graph_counters`).
+    """Counts of one owner (a graph component, or a runner's sum) since start-up.
 
     Attributes:
         captured: graphs captured (one per FULL key, one per piece and PIECEWISE key).
@@ -31,8 +61,11 @@ class GraphCounters:
         off_grid_steps: those of them that were decode steps larger than the largest
             graph size (the first one after start-up is logged).
         capture_bytes: memory the captured graphs hold (backend's own accounting:
-            what each graph keeps plus the pool their replays share).
-        estimated_bytes: the graph memory estimated before the KV cache was sized.
+            what each graph keeps plus the pool their replays share): a runner's
+            start-up captures, or after a capture at first use the backend's whole
+            memory in use (shared by every component: a sum takes the largest).
+        estimated_bytes: the graph memory estimated before the KV cache was sized (the
+            runner's).
         capture_seconds: wall time of the captures (at start-up, or at first use).
         draft_captured: FULL graphs of the drafter's own forwards captured (also in
             ``captured``).
@@ -80,7 +113,7 @@ class GraphCounters:
     split_task_updates: int = 0
     split_forwards_run: int = 0
     split_yields: int = 0
-    serving: bool = False  # start-up (profiling, capture) is over
+    serving: bool = False  # start-up (profiling, capture) is over (a sum: any part's)
 
     @property
     def yields_per_split_forward(self) -> float:
@@ -89,6 +122,17 @@ class GraphCounters:
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "yields_per_split_forward": self.yields_per_split_forward}
+
+    def forget_warm_up(self) -> None:
+        """Zero the counts of model forwards (:data:`STEP_FIELDS`): a start-up's warm-up
+        forwards are not steps."""
+        for name in STEP_FIELDS:
+            setattr(self, name, 0)
+
+    def reset(self) -> None:
+        """Zero every count (``serving`` included)."""
+        for field in fields(self):
+            setattr(self, field.name, field.default)
 
     def describe_micro_batching(self) -> str:
         """One line on the micro-batched steps, beside the graph counters."""
@@ -101,21 +145,41 @@ class GraphCounters:
         )
 
 
-_COUNTERS = GraphCounters()
+def sum_counters(parts: Iterable[GraphCounters]) -> GraphCounters:
+    """A new :class:`GraphCounters` holding the sum of ``parts`` (an owner's and its
+    components'): counts add up, ``capture_bytes`` is the largest (a capture at first
+    use records the backend's whole memory in use), ``serving`` is any part's.
 
-
-def graph_counters() -> GraphCounters:
-    """The live counters of this process."""
-    return _COUNTERS
+    Raises:
+        TypeError: a part is no :class:`GraphCounters`.
+    """
+    total = GraphCounters()
+    for part in parts:
+        if not isinstance(part, GraphCounters):
+            raise TypeError(f"sum_counters takes GraphCounters, got {type(part).__name__}")
+        for field in fields(GraphCounters):
+            name = field.name
+            mine, theirs = getattr(total, name), getattr(part, name)
+            if name == "capture_bytes":
+                value = max(mine, theirs)
+            elif name == "serving":
+                value = mine or theirs
+            else:
+                value = mine + theirs
+            setattr(total, name, value)
+    return total
 
 
 def count_eager_step(
-    num_tokens: int | None, largest: int | None, is_decode: Callable[[], bool]
+    counters: GraphCounters,
+    num_tokens: int | None,
+    largest: int | None,
+    is_decode: Callable[[], bool],
 ) -> None:
-    """Count a model forward that ran without graphs; count a decode step larger than
-    the largest graph size (``is_decode`` is asked only for those) as off the grid and
-    log the first one after start-up (a prefill that large runs eagerly by design)."""
-    counters = graph_counters()
+    """Count in ``counters`` a model forward that ran without graphs; count a decode
+    step larger than the largest graph size (``is_decode`` is asked only for those) as
+    off the grid and log the first one after start-up (a prefill that large runs
+    eagerly by design)."""
     counters.eager_steps += 1
     if num_tokens is None or largest is None or num_tokens <= largest or not is_decode():
         return
@@ -125,7 +189,7 @@ def count_eager_step(
             "A decode step of %d tokens ran without graphs: the largest graph is for %d "
             "tokens; raise max_cudagraph_capture_size (or cudagraph_capture_sizes) to "
             "cover max_num_seqs x (1 + num_speculative_tokens). Further such steps are "
-            "counted in graph_counters().off_grid_steps, not logged.",
+            "counted in the model runner's graph_counters().off_grid_steps, not logged.",
             num_tokens,
             largest,
         )
@@ -134,8 +198,8 @@ def count_eager_step(
 COUNTERS_DIR_ENV = "NPU_BRIDGE_COUNTERS_DIR"
 
 
-def write_counters_where_asked(data_parallel_rank: int, rank: int) -> None:
-    """After a worker's step: write this process's counters as JSON to
+def write_counters_where_asked(counters: GraphCounters, data_parallel_rank: int, rank: int) -> None:
+    """After a worker's step: write ``counters`` (its model runner's) as JSON to
     ``dp<D>-rank<R>.json`` in the directory ``NPU_BRIDGE_COUNTERS_DIR`` names (nothing
     when it is unset), replacing the file whole, so a reader never sees half of it.
 
@@ -147,12 +211,32 @@ def write_counters_where_asked(data_parallel_rank: int, rank: int) -> None:
         return
     path = Path(directory) / f"dp{data_parallel_rank}-rank{rank}.json"
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(graph_counters().as_dict()))
+    partial.write_text(json.dumps(counters.as_dict()))
     os.replace(partial, path)
 
 
+# Transitional, while the writers move to their owners' counters: removed after.
+_PROCESS = GraphCounters()
+
+
+def graph_counters() -> GraphCounters:
+    return _PROCESS
+
+
 def reset_graph_counters() -> None:
-    """Zero every counter (tests and benchmarks)."""
-    global _COUNTERS
-    for name, value in asdict(GraphCounters()).items():
-        setattr(_COUNTERS, name, value)
+    _PROCESS.reset()
+
+
+_count_eager_step, _write_counters_where_asked = count_eager_step, write_counters_where_asked
+
+
+def count_eager_step(*args):  # type: ignore[no-redef]
+    if not isinstance(args[0], GraphCounters):
+        args = (_PROCESS, *args)
+    _count_eager_step(*args)
+
+
+def write_counters_where_asked(*args):  # type: ignore[no-redef]
+    if not isinstance(args[0], GraphCounters):
+        args = (_PROCESS, *args)
+    _write_counters_where_asked(*args)
