@@ -390,6 +390,11 @@ CPU_COMPUTE_SLOT_MAPPING = _entry(
     ),
     "vLLM's CPU slot mapping, which host mode runs for one context-parallel rank",
 )  # fmt: skip
+CPU_SGL_GEMM_CHECK = _entry(
+    "vllm.model_executor.layers.utils", "check_cpu_sgl_kernel", FUNCTION, _names("n k dtype"),
+    "replaced in host mode without vllm._C: vLLM's CPU linear dispatch asks it whether to "
+    "pack a weight for the compiled SGL GEMM (convert_weight_packed, weight_packed_linear)",
+)  # fmt: skip
 COMPUTE_SLOT_MAPPING_KERNEL = Internal(
     "vllm.v1.worker.block_table", "ComputeSlotMappingKernel.kernel", TRITON_KERNEL,
     _names(
@@ -497,6 +502,7 @@ INTERNALS: tuple[Internal, ...] = (
     MOE_FORWARD_ENTRY,
     CPU_COMMUNICATOR_DIST_MODULE,
     CPU_COMPUTE_SLOT_MAPPING,
+    CPU_SGL_GEMM_CHECK,
     COMPUTE_SLOT_MAPPING_KERNEL,
     *COMPILED_OPS,
 )
@@ -685,6 +691,21 @@ def cpu_compute_slot_mapping(*args: Any, **kwargs: Any) -> None:
     """vLLM's CPU slot mapping (:data:`CPU_COMPUTE_SLOT_MAPPING`)."""
     module = importlib.import_module(CPU_COMPUTE_SLOT_MAPPING.module)
     getattr(module, CPU_COMPUTE_SLOT_MAPPING.name)(*args, **kwargs)
+
+
+def cpu_sgl_gemm_check() -> Callable[..., bool]:
+    """The function vLLM's CPU linear dispatch asks now (:data:`CPU_SGL_GEMM_CHECK`)."""
+    return getattr(importlib.import_module(CPU_SGL_GEMM_CHECK.module), CPU_SGL_GEMM_CHECK.name)
+
+
+def set_cpu_sgl_gemm_check(check: Callable[..., bool]) -> Callable[..., bool]:
+    """Have vLLM's CPU linear dispatch ask ``check(n, k, dtype)`` whether a weight takes
+    the packed-weight SGL GEMM, in place of :data:`CPU_SGL_GEMM_CHECK` (looked up at
+    dispatch, in its own module); returns the function it replaces."""
+    module = importlib.import_module(CPU_SGL_GEMM_CHECK.module)
+    original = getattr(module, CPU_SGL_GEMM_CHECK.name)
+    setattr(module, CPU_SGL_GEMM_CHECK.name, check)
+    return original
 
 
 def compiled_ops_present() -> bool:

@@ -20,9 +20,15 @@ PyTorch function here:
 * the CPU MoE experts, ``prepack_moe_weight`` and ``cpu_fused_moe``
   (``moe_ops.py``).
 
-And one is avoided instead: ``rotary_embedding`` (vLLM's rotary layer calls it on CPU
+And two are avoided instead: ``rotary_embedding`` (vLLM's rotary layer calls it on CPU
 with custom ops on); :func:`avoid_missing_custom_ops` has vLLM use its PyTorch rotary
-embedding. vLLM's own CPU attention backends are not among them: an empty build has
+embedding. And the packed-weight SGL GEMM (``convert_weight_packed``,
+``weight_packed_linear``), which vLLM's CPU linear dispatch picks for small bf16/fp16
+weights on AMX CPUs: :func:`avoid_missing_packed_gemm` sends those layers where vLLM
+sends every other layer of an empty build (it has no oneDNN either), to
+``torch.nn.functional.linear`` on the unpacked weight. A PyTorch version of the pair
+would have to rebuild vLLM's VNNI layout only to undo it at every call, and could at
+best match the unpacked linear that this path is. vLLM's own CPU attention backends are not among them: an empty build has
 no CPU platform of its own, so they cannot be selected.
 
 Model Runner V2's kernels run as PyTorch versions or under Triton's interpreter
@@ -178,6 +184,8 @@ OPS: dict[str, tuple[str, Callable[..., Any]]] = {
 }
 
 _library: torch.library.Library | None = None
+# vLLM's check_cpu_sgl_kernel once avoid_missing_packed_gemm has replaced it.
+_vllm_packed_check: Callable[..., bool] | None = None
 
 
 def compiled_ops_present() -> bool:
@@ -226,3 +234,27 @@ def avoid_missing_custom_ops(custom_ops: list[str]) -> list[str]:
         return []
     custom_ops.append(f"-{ROTARY_OP}")
     return [f"-{ROTARY_OP}"]
+
+
+def never_packed(n: int, k: int, dtype: torch.dtype) -> bool:
+    """vLLM's ``check_cpu_sgl_kernel`` where the packed-weight GEMM is not built: no
+    weight ``[n, k]`` of any ``dtype`` takes it."""
+    return False
+
+
+def avoid_missing_packed_gemm() -> bool:
+    """Without ``vllm._C``, have vLLM's CPU linear dispatch (``dispatch_cpu_unquantized_gemm``)
+    skip the packed-weight SGL GEMM, so its layers run ``torch.nn.functional.linear``
+    on their unpacked weights; returns whether it acted (not with ``vllm._C``)."""
+    global _vllm_packed_check
+    if compiled_ops_present():
+        return False
+    if _vllm_packed_check is None:
+        _vllm_packed_check = vllm_seam.set_cpu_sgl_gemm_check(never_packed)
+    return True
+
+
+def vllm_packed_gemm_check() -> Callable[..., bool]:
+    """vLLM's own ``check_cpu_sgl_kernel(n, k, dtype)``, also once
+    :func:`avoid_missing_packed_gemm` has replaced it."""
+    return _vllm_packed_check or vllm_seam.cpu_sgl_gemm_check()

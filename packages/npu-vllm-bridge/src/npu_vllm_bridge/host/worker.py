@@ -11,7 +11,9 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from npu_vllm_bridge.graphs.ubatch_config import restore_micro_batching
 from npu_vllm_bridge.host.collectives import record_collectives_whole
+from npu_vllm_bridge.host.compiled_ops import avoid_missing_packed_gemm
 from npu_vllm_bridge.host.moe import moe_layers_through_custom_op
+from npu_vllm_bridge.settings import PREFIX
 from npu_vllm_bridge.vllm_seam import compiled_op
 from npu_vllm_bridge.worker.bridge_runner import BridgeModelRunner
 from npu_vllm_bridge.worker.bridge_worker import BridgeWorkerMixin
@@ -71,6 +73,11 @@ class HostWorker(BridgeWorkerMixin, CPUWorker):
 
     def init_device(self) -> None:
         restore_micro_batching(self.vllm_config)
+        if avoid_missing_packed_gemm():
+            logger.info_once(
+                f"{PREFIX} host mode: vLLM's CPU linear layers run torch's linear on their "
+                "unpacked weights (this vLLM build has no packed-weight GEMM)"
+            )
         super().init_device()
         self.model_runner = self._bridge_model_runner()
         if self.model_config.enforce_eager:
