@@ -29,7 +29,7 @@ from npu_graphs import GraphWrapper, RuntimeMode, TaskRegistry, graph_dispatch
 from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
 from npu_vllm_bridge.attention.kv_cache import split_kv_cache
 from npu_vllm_bridge.attention.tasks import run_attention
-from npu_vllm_bridge.graphs.counters import graph_counters, reset_graph_counters
+from npu_vllm_bridge.graphs.counters import GraphCounters
 from npu_vllm_bridge.graphs.full_graphs import per_layer_metadata
 from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper
 
@@ -207,7 +207,6 @@ def test_bridge_wrapper_updates_each_kv_cache_group_with_its_own_plan():
     kv_cache = packed_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     caches = dict.fromkeys(("layer.0", "layer.1"), split_kv_cache(kv_cache, HEAD_SIZE))
     inputs = _Inputs()
-    reset_graph_counters()
     captured_before = compilation_counter.num_cudagraph_captured
     wrapper = BridgeGraphWrapper(
         _TwoGroups(inputs, caches), config, CUDAGraphMode.FULL, num_attention_layers=2,
@@ -230,16 +229,15 @@ def test_bridge_wrapper_updates_each_kv_cache_group_with_its_own_plan():
             eager_out = wrapper(inputs.query)
         real = sum(c is not None for c in contexts)
         torch.testing.assert_close(graph_out[:real], eager_out[:real], atol=ATOL, rtol=0)
-    counters = graph_counters()
+    counters = wrapper.counters
+    assert counters is wrapper.full.counters  # the graph component's own
     assert counters.captured == 1
     assert compilation_counter.num_cudagraph_captured == captured_before + 1
     assert counters.replayed_steps == len(STEPS) - 1
     assert counters.task_updates == len(STEPS) - 1
     assert counters.eager_steps == len(STEPS)
-    counts = wrapper.full.counts  # the graph component's own
-    assert (counts.captured, counts.replayed, counts.task_updates) == (1, 3, 3)  # 1 + 3 steps
     wrapper.clear_graphs()  # as after the memory profile: neither graphs nor counts stay
-    assert not wrapper.has_graph(descriptor) and wrapper.full.counts.captured == 0
+    assert not wrapper.has_graph(descriptor) and wrapper.counters.captured == 0
 
 
 def test_skipped_update_of_one_group_is_caught():
@@ -346,8 +344,7 @@ def test_decode_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypa
     )
     warnings = []
     monkeypatch.setattr(counters_module.logger, "warning", lambda *args: warnings.append(args))
-    reset_graph_counters()
-    graph_counters().serving = True  # as the runner sets it after start-up
+    wrapper.counters.serving = True  # as the runner sets it after start-up
     x = torch.ones(3)
     steps = [(largest + 4, 0), (largest, 0), (largest + 8, 0), (largest + 16, 1)]
     for num_tokens, num_prefills in steps:
@@ -355,7 +352,7 @@ def test_decode_steps_off_the_captured_grid_are_counted_and_logged_once(monkeypa
         key = BatchDescriptor(num_tokens=num_tokens)
         with set_forward_context(per_layer, config, batch_descriptor=key):  # NONE: eager
             torch.testing.assert_close(wrapper(x), x * 2)
-    counters = graph_counters()
+    counters = wrapper.counters
     # Every step ran eagerly; the two decodes above the grid are off it (a prefill that
     # large runs eagerly by design), and only the first is logged.
     assert counters.eager_steps == 4 and counters.off_grid_steps == 2, counters
@@ -367,15 +364,16 @@ def test_counters_are_written_per_rank_where_asked(tmp_path, monkeypatch):
 
     from npu_vllm_bridge.graphs.counters import COUNTERS_DIR_ENV, write_counters_where_asked
 
-    reset_graph_counters()
+    def not_read() -> GraphCounters:
+        raise AssertionError("counters read while nothing asks for them")
+
     monkeypatch.delenv(COUNTERS_DIR_ENV, raising=False)
-    write_counters_where_asked(0, 0)  # not asked: nothing written anywhere
+    write_counters_where_asked(not_read, 0, 0)  # not asked: nothing read or written
     monkeypatch.setenv(COUNTERS_DIR_ENV, str(tmp_path))
-    graph_counters().split_steps = 3
-    write_counters_where_asked(1, 0)
-    graph_counters().split_steps = 4
-    write_counters_where_asked(1, 0)  # replaced whole, no partial file left
+    counters = GraphCounters(split_steps=3)
+    write_counters_where_asked(lambda: counters, 1, 0)
+    counters.split_steps = 4
+    write_counters_where_asked(lambda: counters, 1, 0)  # replaced whole, no partial file left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dp1-rank0.json"]
     written = json.loads((tmp_path / "dp1-rank0.json").read_text())
-    assert written == graph_counters().as_dict() and written["split_steps"] == 4
-    reset_graph_counters()
+    assert written == counters.as_dict() and written["split_steps"] == 4

@@ -11,6 +11,8 @@ leaving one micro-batch's tasks at their captured plan must show.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ from npu_vllm_bridge.attention.builder import BridgeAttentionMetadata
 from npu_vllm_bridge.attention.kv_cache import split_kv_cache
 from npu_vllm_bridge.attention.tasks import run_attention
 from npu_vllm_bridge.graphs import ubatch_config
-from npu_vllm_bridge.graphs.counters import graph_counters, reset_graph_counters
+from npu_vllm_bridge.graphs.counters import GraphCounters, sum_counters
 from npu_vllm_bridge.graphs.ubatch_wrapper import (
     BridgeUBatchWrapper,
     current_micro_batch,
@@ -101,6 +103,11 @@ class _Setup:
         self.positions = torch.zeros(n, dtype=torch.int64)
         self.input_ids = torch.zeros(n, dtype=torch.int64)
 
+    def counters(self) -> GraphCounters:
+        """The wrapper's counters with its inner FULL graph wrapper's (the unsplit steps)."""
+        inner = [] if self.wrapper.inner is None else [self.wrapper.inner.counters]
+        return sum_counters([self.wrapper.counters, *inner])
+
     def step(self, contexts):
         """Load one decode step; returns its whole metadata, per-micro-batch metadata and slices."""
         batch = make_batch([(c, 1) for c in contexts], self.kv_cache, BLOCK_SIZE, self.generator)
@@ -127,7 +134,6 @@ class _Setup:
 
 def test_eager_split_equals_the_whole_step_and_hands_over_at_each_collective():
     setup = _Setup(full_graphs=False, seed=21)
-    reset_graph_counters()
     whole, halves, slices = setup.step(STEPS[0])
     assert [s.num_tokens for s in slices] == [2, 3]  # vLLM's unequal halves
     reference = setup.run(whole)
@@ -136,7 +142,7 @@ def test_eager_split_equals_the_whole_step_and_hands_over_at_each_collective():
     torch.testing.assert_close(split, reference, atol=ATOL, rtol=0)
     # Micro-batch 0 runs to its first collective, hands over, and so on.
     assert setup.trace == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    counters = graph_counters()
+    counters = setup.counters()
     assert counters.split_steps == counters.split_decode_steps == 1
     assert counters.split_forwards_run == 1
     # Each micro-batch hands over after each of its collectives (2 x 2).
@@ -147,7 +153,6 @@ def test_eager_split_equals_the_whole_step_and_hands_over_at_each_collective():
 
 def test_one_graph_of_both_micro_batches_replays_each_with_its_own_plan():
     setup = _Setup(full_graphs=True, seed=22)
-    reset_graph_counters()
     for index, contexts in enumerate(STEPS):
         whole, halves, slices = setup.step(contexts)
         reference = setup.run(whole)  # eagerly, unsplit
@@ -156,7 +161,7 @@ def test_one_graph_of_both_micro_batches_replays_each_with_its_own_plan():
         torch.testing.assert_close(graph_out, reference, atol=ATOL, rtol=0)
         if index:  # replays run no Python of the model
             assert setup.trace == []
-    counters = graph_counters()
+    counters = setup.counters()
     assert counters.split_captured == counters.captured == 1
     assert counters.split_replayed_steps == counters.split_task_updates == len(STEPS) - 1
     key = setup.wrapper.runner.graph_key(BatchDescriptor(num_tokens=5, uniform=True), (2, 3))
@@ -187,13 +192,12 @@ def test_a_skipped_micro_batch_task_update_is_caught(monkeypatch):
 
 def test_unsplit_steps_take_the_full_graph_wrapper():
     setup = _Setup(full_graphs=True, seed=24)
-    reset_graph_counters()
     for contexts in STEPS[:2]:
         whole, _, _ = setup.step(contexts)
         eager = setup.run(whole)
         torch.testing.assert_close(setup.run(whole, mode=CUDAGraphMode.FULL), eager,
                                    atol=ATOL, rtol=0)  # fmt: skip
-    counters = graph_counters()
+    counters = setup.counters()
     assert counters.split_steps == 0 and counters.replayed_steps == 1
     assert setup.wrapper.has_graph(BatchDescriptor(num_tokens=5, uniform=True))
 
@@ -274,12 +278,31 @@ def test_vllm_gpu_runner_leaves_the_model_unwrapped_for_the_bridge():
 
 
 def test_micro_batching_refuses_what_it_does_not_run(monkeypatch):
+    """V1 refuses the bridge's list; V2 (which vLLM runs DBO on only when asked by
+    ``VLLM_USE_V2_MODEL_RUNNER=1``) refuses what vLLM's V2 runner refuses; the message
+    names the runner, what micro-batching runs without and what came with it."""
     config = VllmConfig()
     config.parallel_config.enable_dbo = True
     config.parallel_config.pipeline_parallel_size = 2
-    with pytest.raises(ValueError, match=r"micro-batch overlap.*pipeline_parallel_size=2"):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert not config.use_v2_model_runner  # vLLM's choice for DBO without the variable
+    with pytest.raises(ValueError, match=r"on Model Runner V1 without pipeline_parallel_size=2"):
         ubatch_config.hold_micro_batching(config)
     config.parallel_config.pipeline_parallel_size = 1
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match="Model Runner V2"):
+    assert config.use_v2_model_runner
+    assert ubatch_config.hold_micro_batching(config)  # a plain decoder micro-batches on V2
+    assert ubatch_config.restore_micro_batching(config)
+    config.speculative_config = SimpleNamespace(method="eagle")  # read for being there
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    expected = (
+        r"on Model Runner V2 without dual batch overlap with speculative decoding, "
+        r"dual batch overlap with PIECEWISE CUDA graphs; got them together"
+    )
+    with pytest.raises(ValueError, match=expected):
+        ubatch_config.hold_micro_batching(config)
+    assert config.parallel_config.enable_dbo  # refused before anything was held
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    with pytest.raises(ValueError, match=r"on Model Runner V1 without speculative decoding"):
         ubatch_config.hold_micro_batching(config)

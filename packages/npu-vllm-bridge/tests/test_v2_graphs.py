@@ -20,11 +20,12 @@ def _manager(calls: list, num_tasks: int = 2) -> BridgeModelGraphManager:
     npu-graphs wrapper (no capture): ``replay_step`` logs the key and the step it is
     handed (the order each graph backend takes is npu-graphs' own, tested there and in
     tests-conformance)."""
-    from npu_vllm_bridge.graphs.full_graphs import MODEL, FullGraphCounts, FullGraphs
+    from npu_vllm_bridge.graphs.counters import GraphCounters
+    from npu_vllm_bridge.graphs.full_graphs import MODEL, FullGraphs
 
     manager = BridgeModelGraphManager.__new__(BridgeModelGraphManager)
     full = FullGraphs.__new__(FullGraphs)
-    full.role, full.counts = MODEL, FullGraphCounts()
+    full.role, full.counters = MODEL, GraphCounters()
     full.tasks = SimpleNamespace(num_tasks=lambda desc: num_tasks)
     full.graphs = SimpleNamespace(
         replay_step=lambda desc, step: calls.append(("replay_step", desc, step))
@@ -42,7 +43,8 @@ def test_replay_hands_npu_graphs_the_steps_metadata() -> None:
     manager.step_attn_metadata = step
     hidden_states = manager.run_fullgraph(DESC)
     assert calls == [("replay_step", DESC, step)]
-    assert (manager.full.counts.replayed, manager.full.counts.task_updates) == (1, 1)
+    counters = manager.full.counters
+    assert (counters.replayed_steps, counters.task_updates) == (1, 1)
     assert torch.equal(hidden_states, manager.hidden_states[:4])  # vLLM's output slicing
     assert manager.step_attn_metadata is None  # one step's metadata serves one replay
 
@@ -53,7 +55,8 @@ def test_a_graph_without_tasks_replays_without_update() -> None:
     manager.step_attn_metadata = {}
     manager.run_fullgraph(DESC)
     assert calls == [("replay_step", DESC, None)]  # the step is not read
-    assert (manager.full.counts.replayed, manager.full.counts.task_updates) == (1, 0)
+    counters = manager.full.counters
+    assert (counters.replayed_steps, counters.task_updates) == (1, 0)
 
 
 def test_replay_without_the_steps_metadata_is_refused() -> None:
@@ -101,9 +104,8 @@ def _capturing_manager(monkeypatch, dispatched: BatchExecutionDescriptor, lazy: 
     tests call its descriptor capture loop (``NpuGraphsCapture.capture``) directly."""
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
-    from npu_vllm_bridge.graphs.counters import reset_graph_counters
+    from npu_vllm_bridge.graphs.counters import GraphCounters
 
-    reset_graph_counters()
     captured: list = []
     backend = _Backend()
     manager = BridgeModelGraphManager.__new__(BridgeModelGraphManager)
@@ -111,6 +113,7 @@ def _capturing_manager(monkeypatch, dispatched: BatchExecutionDescriptor, lazy: 
 
     manager.full = FullGraphs.__new__(FullGraphs)
     manager.full.graphs = SimpleNamespace(backend=backend)
+    manager.full.counters = GraphCounters()
     manager.capture_on_first_use = lazy
     manager._capture_descs = {CUDAGraphMode.PIECEWISE: PIECEWISE, CUDAGraphMode.FULL: FULL}
     manager._capture_mem_samples = None
@@ -132,8 +135,6 @@ def _capturing_manager(monkeypatch, dispatched: BatchExecutionDescriptor, lazy: 
 
 
 def test_capture_on_first_use_captures_a_full_graph_when_first_dispatched(monkeypatch) -> None:
-    from npu_vllm_bridge.graphs.counters import graph_counters
-
     desc = FULL[1]
     manager, captured = _capturing_manager(monkeypatch, desc, lazy=True)
     create_forward_fn = object()
@@ -142,7 +143,7 @@ def test_capture_on_first_use_captures_a_full_graph_when_first_dispatched(monkey
     for _ in range(3):
         assert manager.dispatch(4, 4, 1, 0) is desc
     assert captured == [(create_forward_fn, desc)]  # once, with vLLM's capture inputs
-    assert graph_counters().eager_steps == 0
+    assert manager.full.counters.eager_steps == 0
 
 
 def test_start_up_capture_takes_every_descriptor(monkeypatch) -> None:
@@ -154,14 +155,12 @@ def test_start_up_capture_takes_every_descriptor(monkeypatch) -> None:
 
 
 def test_steps_without_graphs_are_counted_and_large_decodes_are_off_the_grid(monkeypatch) -> None:
-    from npu_vllm_bridge.graphs.counters import graph_counters
-
     eager = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=32, num_reqs=32)
     manager, _ = _capturing_manager(monkeypatch, eager, lazy=True)
     NpuGraphsCapture.capture(manager, object())
     manager.dispatch(32, 32, 1, 0)  # a decode larger than the largest graph (16)
     manager.dispatch(2, 32, None, 0)  # a prefill that large runs eagerly by design
-    counters = graph_counters()
+    counters = manager.full.counters
     assert (counters.eager_steps, counters.off_grid_steps) == (2, 1), counters
 
 

@@ -10,12 +10,16 @@ steps ran. Nothing here is process-wide: every count lives in an object its owne
   wrapper its split steps and micro-batched graphs.
 * The model runner owns one too, for what its start-up counts (capture time and bytes,
   the graph-memory estimate, ``serving``), and answers ``graph_counters()``: the sum
-  (:func:`sum_counters`) of its own and its components', a fresh object each call.
+  (:func:`sum_counters`) of its own and its components', a fresh object each call
+  (:class:`RunnerCounters`). Tests reach it through the worker
+  (``llm.collective_rpc(lambda worker: worker.model_runner.graph_counters())``).
 * The worker writes its runner's sum after each step where ``NPU_BRIDGE_COUNTERS_DIR``
   asks (:func:`write_counters_where_asked`): how a server's worker processes report.
 
 A new component holds ``self.counters = GraphCounters()``, counts into it, and is found
-by its runner (``graph_components()`` of ``graphs/runner.py`` / ``worker/bridge_runner.py``).
+by its runner's ``graph_component_counters()`` (``graphs/runner.py`` for V1,
+``graphs/v2_runner.py`` for Model Runner V2; a wrapper handed to
+``graphs/wrapper.py``'s ``track_wrapper`` is found by both).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from vllm.logger import init_logger
 
@@ -170,6 +175,39 @@ def sum_counters(parts: Iterable[GraphCounters]) -> GraphCounters:
     return total
 
 
+class RunnerCounters:
+    """Mixin of the bridge's model runners: what the runner counts itself
+    (:attr:`runner_counters`: start-up capture time and bytes, the estimate,
+    ``serving``) and :meth:`graph_counters`, that summed with its graph components'
+    (:meth:`graph_component_counters`, each runner's to name)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.runner_counters = GraphCounters()
+        super().__init__(*args, **kwargs)
+
+    def graph_component_counters(self) -> list[GraphCounters]:
+        """The counters of every graph component of this runner, each once."""
+        raise NotImplementedError
+
+    def graph_counters(self) -> GraphCounters:
+        """This runner's graph counters: its own and its components' summed, a new
+        object each call (:func:`sum_counters`)."""
+        return sum_counters([self.runner_counters, *self.graph_component_counters()])
+
+    def reset_graph_counters(self) -> None:
+        """Zero this runner's counters and its components' (tests, benchmarks)."""
+        for counters in (self.runner_counters, *self.graph_component_counters()):
+            counters.reset()
+
+    def start_serving(self) -> None:
+        """Start-up is over: the warm-up forwards counted so far are forgotten
+        (:meth:`GraphCounters.forget_warm_up`), and every part is ``serving`` (a
+        decode step off the graph grid is logged from now on)."""
+        for counters in (self.runner_counters, *self.graph_component_counters()):
+            counters.forget_warm_up()
+            counters.serving = True
+
+
 def count_eager_step(
     counters: GraphCounters,
     num_tokens: int | None,
@@ -198,10 +236,13 @@ def count_eager_step(
 COUNTERS_DIR_ENV = "NPU_BRIDGE_COUNTERS_DIR"
 
 
-def write_counters_where_asked(counters: GraphCounters, data_parallel_rank: int, rank: int) -> None:
-    """After a worker's step: write ``counters`` (its model runner's) as JSON to
-    ``dp<D>-rank<R>.json`` in the directory ``NPU_BRIDGE_COUNTERS_DIR`` names (nothing
-    when it is unset), replacing the file whole, so a reader never sees half of it.
+def write_counters_where_asked(
+    counters: Callable[[], GraphCounters], data_parallel_rank: int, rank: int
+) -> None:
+    """After a worker's step: write ``counters()`` (its model runner's
+    ``graph_counters``, called only then) as JSON to ``dp<D>-rank<R>.json`` in the
+    directory ``NPU_BRIDGE_COUNTERS_DIR`` names (nothing when it is unset), replacing
+    the file whole, so a reader never sees half of it.
 
     A server's workers are processes of their own, and vLLM hands a utility call's
     answer back from the first data-parallel engine only; these files are how each
@@ -211,32 +252,5 @@ def write_counters_where_asked(counters: GraphCounters, data_parallel_rank: int,
         return
     path = Path(directory) / f"dp{data_parallel_rank}-rank{rank}.json"
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(counters.as_dict()))
+    partial.write_text(json.dumps(counters().as_dict()))
     os.replace(partial, path)
-
-
-# Transitional, while the writers move to their owners' counters: removed after.
-_PROCESS = GraphCounters()
-
-
-def graph_counters() -> GraphCounters:
-    return _PROCESS
-
-
-def reset_graph_counters() -> None:
-    _PROCESS.reset()
-
-
-_count_eager_step, _write_counters_where_asked = count_eager_step, write_counters_where_asked
-
-
-def count_eager_step(*args):  # type: ignore[no-redef]
-    if not isinstance(args[0], GraphCounters):
-        args = (_PROCESS, *args)
-    _count_eager_step(*args)
-
-
-def write_counters_where_asked(*args):  # type: ignore[no-redef]
-    if not isinstance(args[0], GraphCounters):
-        args = (_PROCESS, *args)
-    _write_counters_where_asked(*args)

@@ -20,18 +20,17 @@ API::
         # the graphs' own bytes over ``descs``, from capturing the largest and the
         # smallest (``capture_one(desc)``) and a linear fit (``memory_estimate.py``).
     full.has_graph(key) / full.entry(key) / full.clear() / full.backend / full.tasks
-    full.counts  # FullGraphCounts: captured, replayed, task_updates of this component
+    full.counters  # GraphCounters of this component alone (its runner sums them)
 
-``role`` names whose counts these are in the worker's graph counters (``MODEL``: the
-main model's ``captured`` / ``replayed_steps`` / ``task_updates``; ``DRAFTER``: the
-drafter's ``draft_*`` ones, its captures also in ``captured``).
+``role`` names which of its ``counters`` count (``MODEL``: the main model's
+``captured`` / ``replayed_steps`` / ``task_updates``; ``DRAFTER``: the drafter's
+``draft_*`` ones, its captures also in ``captured``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.compilation.counter import compilation_counter
@@ -45,7 +44,7 @@ from npu_graphs import (
     get_backend,
     graph_dispatch,
 )
-from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.counters import GraphCounters
 from npu_vllm_bridge.graphs.memory_estimate import estimate_own_bytes
 from npu_vllm_bridge.settings import current_settings
 from npu_vllm_bridge.vllm_seam import set_cudagraphs_captured_count
@@ -53,22 +52,6 @@ from npu_vllm_bridge.vllm_seam import set_cudagraphs_captured_count
 MODEL = "model"
 DRAFTER = "drafter"
 _ROLES = (MODEL, DRAFTER)
-
-
-@dataclass
-class FullGraphCounts:
-    """What one :class:`FullGraphs` did since start-up.
-
-    Attributes:
-        captured: graphs captured (the memory profile's, dropped after, included
-            until :meth:`FullGraphs.clear` with ``forget_counts``).
-        replayed: steps served by a replay.
-        task_updates: replays whose attention tasks were brought to the step.
-    """
-
-    captured: int = 0
-    replayed: int = 0
-    task_updates: int = 0
 
 
 def count_vllm_capture() -> None:
@@ -110,7 +93,8 @@ class FullGraphs:
         name: used in logs and errors.
         expected_tasks: attention tasks each capture must record (checked at capture);
             ``None`` to skip the check.
-        role: ``MODEL`` or ``DRAFTER``: which of the worker's counters these count in.
+        role: ``MODEL`` or ``DRAFTER``: which of :attr:`counters` its captures and
+            replays count in.
         backend: npu-graphs backend (name or instance); default: the platform's.
         pool: graph memory pool; default: the backend's shared pool.
         task_label: the task registry's name (in errors).
@@ -139,7 +123,7 @@ class FullGraphs:
             tasks=self.tasks,
             name=name,
         )
-        self.counts = FullGraphCounts()
+        self.counters = GraphCounters()
 
     @property
     def backend(self) -> GraphBackend:
@@ -158,9 +142,8 @@ class FullGraphs:
         start = time.perf_counter()
         with graph_dispatch(RuntimeMode.FULL, key):
             outputs = self.graphs(*args, **kwargs)
-        self.counts.captured += 1
         count_vllm_capture()
-        counters = graph_counters()
+        counters = self.counters
         counters.captured += 1
         if self.role == DRAFTER:
             counters.draft_captured += 1
@@ -186,9 +169,7 @@ class FullGraphs:
         return self.graphs.replay_step(key, step, *args, **kwargs)
 
     def _count_replay(self, updated: bool) -> None:
-        self.counts.replayed += 1
-        self.counts.task_updates += updated
-        counters = graph_counters()
+        counters = self.counters
         if self.role == DRAFTER:
             counters.draft_replayed_steps += 1
             counters.draft_task_updates += updated
@@ -214,11 +195,11 @@ class FullGraphs:
         return self.graphs.entry(key)
 
     def clear(self, forget_counts: bool = False) -> None:
-        """Drop every graph and its tasks; ``forget_counts``: zero :attr:`counts` (after
+        """Drop every graph and its tasks; ``forget_counts``: zero :attr:`counters` (after
         the memory profile's captures)."""
         self.graphs.reset()
         if forget_counts:
-            self.counts = FullGraphCounts()
+            self.counters.reset()
 
     def __repr__(self) -> str:
         return f"FullGraphs({self.graphs.name}, role={self.role}, graphs={len(self.graphs.keys())})"

@@ -22,13 +22,18 @@ from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
 
 from npu_graphs import GraphBackend, capture_all, get_backend
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
-from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.counters import GraphCounters, RunnerCounters
 from npu_vllm_bridge.graphs.memory_estimate import estimate_own_bytes
 from npu_vllm_bridge.graphs.ubatch_wrapper import (
     BridgeUBatchWrapper,
     vllm_ubatch_wrapper_bypassed,
 )
-from npu_vllm_bridge.graphs.wrapper import BridgeGraphWrapper, graph_backend_name, live_wrappers
+from npu_vllm_bridge.graphs.wrapper import (
+    BridgeGraphWrapper,
+    graph_backend_name,
+    live_wrappers,
+    wrappers_of,
+)
 from npu_vllm_bridge.settings import current_settings
 from npu_vllm_bridge.vllm_seam import (
     cleanup_profiling_kv_cache,
@@ -40,9 +45,10 @@ from npu_vllm_bridge.vllm_seam import (
 logger = init_logger(f"vllm.{__name__}")
 
 
-class GraphRunnerMixin:
+class GraphRunnerMixin(RunnerCounters):
     """``load_model`` wraps the model for FULL graphs; ``capture_model`` captures them;
-    ``profile_graph_memory`` estimates their memory before the KV cache exists."""
+    ``profile_graph_memory`` estimates their memory before the KV cache exists;
+    ``graph_counters()`` sums what its graph wrappers counted."""
 
     vllm_config: Any
     compilation_config: Any
@@ -72,6 +78,11 @@ class GraphRunnerMixin:
             )
         # A drafter's forwards run as vLLM's V1 proposer dispatches them: PIECEWISE or
         # eager (docs/drafter-graphs.md says why the bridge adds no FULL graphs there).
+
+    def graph_component_counters(self) -> list[GraphCounters]:
+        """The counters of this engine's graph wrappers: the FULL one or the
+        micro-batch one (and its inner FULL one), the PIECEWISE pieces, the drafter's."""
+        return [wrapper.counters for wrapper in wrappers_of(self.vllm_config)]
 
     def capture_model(self) -> int:
         """Capture every (mode, batch descriptor) vLLM's dispatcher will replay,
@@ -115,15 +126,9 @@ class GraphRunnerMixin:
                 own / 2**20,
                 pool / 2**20,
             )
-        counters = graph_counters()
-        counters.capture_bytes += int(held)
-        counters.capture_seconds += seconds
-        # The capture's warm-up forwards are not steps.
-        counters.eager_steps = counters.off_grid_steps = 0
-        counters.split_steps = counters.split_decode_steps = counters.split_prefill_steps = 0
-        counters.split_unequal_steps = 0
-        counters.split_forwards_run = counters.split_yields = 0
-        counters.serving = True
+        self.runner_counters.capture_bytes += int(held)
+        self.runner_counters.capture_seconds += seconds
+        self.start_serving()  # the capture's warm-up forwards are not steps
         return int(held)
 
     def _capture_group(self, backend: GraphBackend, runtime_mode: CUDAGraphMode, descs: list):
@@ -188,11 +193,11 @@ class GraphRunnerMixin:
                 key_set.clear()
             self.cudagraph_dispatcher.keys_initialized = False
             cleanup_profiling_kv_cache(self)
-            counters = graph_counters()
-            counters.captured = counters.split_captured = 0
+            for counters in self.graph_component_counters():
+                counters.captured = counters.split_captured = 0
             set_cudagraphs_captured_count(saved_captures)
         total = own_total + max(pool_after - pool_before, 0)
-        graph_counters().estimated_bytes = total
+        self.runner_counters.estimated_bytes = total
         logger.info(
             "Estimated graph memory: %.2f MiB (counted before the KV cache: %.2f MiB of the "
             "graphs' own, %.2f MiB of shared pool)",

@@ -31,8 +31,9 @@ positions, hidden states, draft tokens), so a capture at that point would overwr
 the step. The runner hook (``graphs/v2_runner.py``) installs the class and hands each
 manager the metadata of its next replay (:func:`leave_draft_metadata_with_graphs`).
 
-Counted apart from the target's graphs (by the component): ``draft_captured`` (also in
-``captured``), ``draft_replayed_steps``, ``draft_task_updates``; here
+Counted apart from the target's graphs, in the drafter's graph component's counters
+(``full.counters``; the runner sums them with the target's): ``draft_captured`` (also
+in ``captured``), ``draft_replayed_steps``, ``draft_task_updates``, and here
 ``draft_other_forwards`` (dispatches to PIECEWISE or eager).
 """
 
@@ -49,7 +50,6 @@ from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import (
 
 from npu_vllm_bridge import vllm_seam
 from npu_vllm_bridge.attention.tasks import count_attention_tasks
-from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.full_graphs import DRAFTER
 from npu_vllm_bridge.graphs.v2_graphs import NpuGraphsCapture
 
@@ -96,7 +96,7 @@ class BridgeSpeculatorGraphManager(SpeculatorCudaGraphManager, NpuGraphsCapture)
         self, desc: BatchExecutionDescriptor, num_tokens: int, uniform_token_count: int | None
     ) -> None:
         if desc.cg_mode != CUDAGraphMode.FULL:
-            graph_counters().draft_other_forwards += 1
+            self.full.counters.draft_other_forwards += 1
 
 
 def drafter_graph_bytes(speculator: Any) -> int:

@@ -25,7 +25,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.sequence import IntermediateTensors
 
 from npu_graphs import GraphWrapper, RuntimeMode, get_backend, graph_dispatch
-from npu_vllm_bridge.graphs.counters import count_eager_step, graph_counters
+from npu_vllm_bridge.graphs.counters import GraphCounters, count_eager_step
 from npu_vllm_bridge.graphs.full_graphs import FullGraphs, count_vllm_capture, graph_backend_name
 from npu_vllm_bridge.settings import current_settings
 
@@ -40,9 +40,21 @@ _WRAPPERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 def live_wrappers() -> list[Any]:
     """The bridge's graph wrappers still alive in this process (each has
-    ``clear_graphs()``): every :class:`BridgeGraphWrapper` and those handed to
-    :func:`track_wrapper`."""
+    ``clear_graphs()``, ``vllm_config`` and its ``counters``): every
+    :class:`BridgeGraphWrapper` and those handed to :func:`track_wrapper`."""
     return list(_WRAPPERS)
+
+
+def wrappers_of(vllm_config: Any) -> list[Any]:
+    """The live wrappers of the engine whose config is ``vllm_config``: those built on
+    its compilation config (a drafter's model may be built on a copy of the engine's
+    config, which keeps the compilation config)."""
+    compilation_config = vllm_config.compilation_config
+    return [
+        wrapper
+        for wrapper in live_wrappers()
+        if wrapper.vllm_config.compilation_config is compilation_config
+    ]
 
 
 def track_wrapper(wrapper: Any) -> None:
@@ -70,6 +82,11 @@ class RunnableProxy:
 
 class BridgeGraphWrapper(RunnableProxy):
     """Static graph wrapper for vLLM 0.32 (``Platform.get_static_graph_wrapper_cls``).
+
+    Attributes:
+        counters: what it counted (its FULL graphs' component's, or its PIECEWISE
+            captures and piece replays); the steps without graphs of the model
+            forward it counts steps of (``counts_steps``).
 
     Args:
         runnable: the model (FULL) or a piece of the compiled model (PIECEWISE).
@@ -115,11 +132,13 @@ class BridgeGraphWrapper(RunnableProxy):
             )
             self.graphs = self.full.graphs
             self.tasks = self.full.tasks
+            self.counters = self.full.counters
         else:
             self.graphs = GraphWrapper(
                 StageTensorsAdapter(runnable), backend=backend, mode=self.graph_mode, name=name
             )
             self.tasks = None
+            self.counters = GraphCounters()
         # One wrapper per model forward counts steps: the FULL one, else the first piece.
         if first_piece is None:
             first_piece = bool(getattr(runnable, "is_first_graph", False))
@@ -147,7 +166,7 @@ class BridgeGraphWrapper(RunnableProxy):
             return from_stage_tensors(self._capture(key, args, kwargs))
         if self.full is not None:
             return from_stage_tensors(self.full.replay(key, context.attn_metadata, *args, **kwargs))
-        counters = graph_counters()
+        counters = self.counters
         counters.replayed_pieces += 1
         counters.piecewise_steps += self.first_piece
         with graph_dispatch(self.graph_mode, key):
@@ -164,7 +183,7 @@ class BridgeGraphWrapper(RunnableProxy):
         start = time.perf_counter()
         with graph_dispatch(self.graph_mode, key):
             outputs = self.graphs(*args, **kwargs)
-        counters = graph_counters()
+        counters = self.counters
         counters.captured += 1
         count_vllm_capture()
         if at_first_use:
@@ -174,6 +193,7 @@ class BridgeGraphWrapper(RunnableProxy):
 
     def _count_eager_step(self, key: Any, attn_metadata: Any) -> None:
         count_eager_step(
+            self.counters,
             getattr(key, "num_tokens", None),
             self.vllm_config.compilation_config.max_cudagraph_capture_size,
             lambda: is_decode_step(attn_metadata),

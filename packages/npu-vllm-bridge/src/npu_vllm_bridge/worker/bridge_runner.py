@@ -27,7 +27,6 @@ from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from npu_graphs import get_backend
 from npu_vllm_bridge.attention.kv_cache import refuse_kv_cache_zeroing
 from npu_vllm_bridge.attention.mla_impl import install_mla_dcp
-from npu_vllm_bridge.graphs.counters import graph_counters
 from npu_vllm_bridge.graphs.runner import GraphRunnerMixin
 from npu_vllm_bridge.graphs.v2_draft_graphs import drafter_graph_bytes
 from npu_vllm_bridge.graphs.v2_runner import GraphManagerHook
@@ -76,10 +75,9 @@ class BridgeModelRunnerV2(GraphManagerHook):
         """vLLM's V2 capture; returns the bytes the graphs took by the graph backend's
         own accounting (vLLM measures device memory), or under memory profiling the
         manager's estimate for all of them. Graphs captured to profile memory are not
-        counted in the bridge's counters (vLLM drops them)."""
+        counted in the runner's graph counters (vLLM drops them)."""
         backend = get_backend(graph_backend_name())
-        counters = graph_counters()
-        captured, draft_captured = counters.captured, counters.draft_captured
+        captured = {id(c): (c.captured, c.draft_captured) for c in self.graph_component_counters()}
         before, start = backend.memory_in_use(), time.perf_counter()
         set_cudagraph_capturing_enabled(True)
         try:
@@ -88,17 +86,16 @@ class BridgeModelRunnerV2(GraphManagerHook):
             set_cudagraph_capturing_enabled(False)
         held = backend.memory_in_use() - before
         if profile_only:
-            counters.captured, counters.draft_captured = captured, draft_captured
+            for counters in self.graph_component_counters():
+                counters.captured, counters.draft_captured = captured.get(id(counters), (0, 0))
             manager = self.cudagraph_manager
             if not hasattr(manager, "profiled_bytes"):
                 return held
             # The target's graphs estimated from samples, the drafter's all captured.
             return manager.profiled_bytes + drafter_graph_bytes(self.speculator)
-        counters.capture_bytes += held
-        counters.capture_seconds += time.perf_counter() - start
-        # Warm-up forwards are not steps.
-        counters.eager_steps = counters.off_grid_steps = counters.draft_other_forwards = 0
-        counters.serving = True
+        self.runner_counters.capture_bytes += held
+        self.runner_counters.capture_seconds += time.perf_counter() - start
+        self.start_serving()  # warm-up forwards are not steps
         return held
 
     def profile_graph_memory(self) -> int:
@@ -107,5 +104,5 @@ class BridgeModelRunnerV2(GraphManagerHook):
         estimate = self.profile_cudagraph_memory()  # type: ignore[attr-defined]
         for wrapper in live_wrappers():  # vLLM drops its profiling graphs; so do the pieces
             wrapper.clear_graphs()
-        graph_counters().estimated_bytes = estimate
+        self.runner_counters.estimated_bytes = estimate
         return estimate

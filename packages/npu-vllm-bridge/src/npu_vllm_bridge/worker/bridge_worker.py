@@ -9,8 +9,9 @@ that host mode, and with the conformance stand-ins a simulated NPU, runs it:
   the KV cache is sized: vLLM's GPU worker profiles graphs only on CUDA, ROCm and XPU,
   and its CPU worker never; an NPU's graphs take device memory too. A
   ``kv_cache_memory_bytes`` the user set is kept as given, as vLLM keeps it;
-* the graph and micro-batch counters, written after every step where
-  ``NPU_BRIDGE_COUNTERS_DIR`` asks for them (``graphs/counters.py``).
+* its runner's graph and micro-batch counters (``model_runner.graph_counters()``),
+  written after every step where ``NPU_BRIDGE_COUNTERS_DIR`` asks for them
+  (``graphs/counters.py``).
 """
 
 from __future__ import annotations
@@ -74,5 +75,7 @@ class BridgeWorkerMixin:
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         output = super().execute_model(*args, **kwargs)  # type: ignore[misc]
-        write_counters_where_asked(self.parallel_config.data_parallel_rank, self.rank)
+        write_counters_where_asked(
+            self.model_runner.graph_counters, self.parallel_config.data_parallel_rank, self.rank
+        )
         return output
