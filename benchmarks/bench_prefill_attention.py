@@ -258,13 +258,31 @@ PREFILL_VARIANTS_8BIT = {
         "num_stages": 3,
         "fast_dequant": 0,
     },
-}
+    # keys_lhs: the scores as K @ Q^T, the converted key tile read from registers.
+    "lhs_m64_n128_w4_s3": {
+        "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "keys_lhs": 1,
+    },
+    "lhs_m128_n128_w8_s3": {
+        "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "keys_lhs": 1,
+    },
+    "lhs_m64_n64_w4_s3": {
+        "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "keys_lhs": 1,
+    },
+    "lhs_m128_n64_w4_s3": {
+        "block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "keys_lhs": 1,
+    },
+    "lhs_m64_n128_w4_s2": {
+        "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "keys_lhs": 1,
+    },
+}  # fmt: skip
 
 
-def prefill_variant_rows(device: torch.device, kind: str, rounds: int) -> list[dict[str, Any]]:
+def prefill_variant_rows(
+    device: torch.device, kind: str, rounds: int, names: list[str] | None = None
+) -> list[dict[str, Any]]:
     """The chunk after a prefix: attention alone (no write) over the 16-bit pages and
-    over ``kind``'s pages with each of ``PREFILL_VARIANTS_8BIT``, interleaved; and the
-    write alone of each cache."""
+    over ``kind``'s pages with each of ``PREFILL_VARIANTS_8BIT`` (``names``: those
+    only), interleaved; and the write alone of each cache."""
     rows = []
     problem = PrefillProblem(*PROBLEMS["chunk_after_prefix"], device)
     expected = problem.sdpa_runner()().float()
@@ -277,6 +295,8 @@ def prefill_variant_rows(device: torch.device, kind: str, rounds: int) -> list[d
                  "default": problem.layer_runner(TritonProvider(), block_size, kind,
                                                  attend_only=True)}  # fmt: skip
         for name, launch in PREFILL_VARIANTS_8BIT.items():
+            if names is not None and name not in names:
+                continue
             provider = TritonProvider()
             provider.prefill_launch_8bit = launch
             calls[name] = problem.layer_runner(provider, block_size, kind, attend_only=True)
@@ -355,13 +375,16 @@ def main() -> None:
     )
     parser.add_argument(
         "--prefill-variants",
-        action="store_true",
-        help="with --kv-cache-dtype: the chunk's attention under each 8-bit launch",
+        nargs="?",
+        const="all",
+        help="with --kv-cache-dtype: the chunk's attention under each 8-bit launch "
+        "(or those named, comma-separated)",
     )
     args = parser.parse_args()
     device = _timing.require_cuda()
     if args.kv_cache_dtype and args.prefill_variants:
-        rows = prefill_variant_rows(device, args.kv_cache_dtype, args.rounds)
+        names = None if args.prefill_variants == "all" else args.prefill_variants.split(",")
+        rows = prefill_variant_rows(device, args.kv_cache_dtype, args.rounds, names)
         print(f"kv_cache_dtype={args.kv_cache_dtype} on {torch.cuda.get_device_name(device)}")
         _timing.print_table(list(rows[0]), rows)
         _timing.write_json(f"prefill_variants_{args.kv_cache_dtype}", {"rows": rows})
