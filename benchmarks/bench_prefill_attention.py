@@ -258,23 +258,7 @@ PREFILL_VARIANTS_8BIT = {
         "num_stages": 3,
         "fast_dequant": 0,
     },
-    # keys_lhs: the scores as K @ Q^T, the converted key tile read from registers.
-    "lhs_m64_n128_w4_s3": {
-        "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "keys_lhs": 1,
-    },
-    "lhs_m128_n128_w8_s3": {
-        "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "keys_lhs": 1,
-    },
-    "lhs_m64_n64_w4_s3": {
-        "block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "keys_lhs": 1,
-    },
-    "lhs_m128_n64_w4_s3": {
-        "block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "keys_lhs": 1,
-    },
-    "lhs_m64_n128_w4_s2": {
-        "block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "keys_lhs": 1,
-    },
-}  # fmt: skip
+}
 
 
 def prefill_variant_rows(

@@ -96,30 +96,9 @@ def test_gpu_batch_states_and_head_sizes(kind: str, head_size: int) -> None:
         _check(case, out, quant, step)
 
 
-@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
-@pytest.mark.parametrize("name", ["prefill_cache_hit", "chunked_prefill"])
-def test_prefill_tiles_with_transposed_scores(
-    kind: str, name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Prefill tiles over 8-bit pages with the scores computed as ``K @ Q^T``
-    (``keys_lhs``), on pages smaller than a key tile and on pages of whole tiles."""
-    query_lens, context_lens, num_decodes, _, state = BATCHES[name]
-    provider = get_provider("triton", DEVICE)
-    for block_size, block_n in ((16, 32), (32, 16)):
-        launch = {"block_m": 32, "block_n": block_n, "num_warps": 4, "num_stages": 2,
-                  "keys_lhs": 1}  # fmt: skip
-        monkeypatch.setattr(provider, "prefill_launch_8bit", launch)
-        spec = AttentionSpec(4, 2, 64, block_size, dtype=DTYPE, kv_cache_dtype=kind)
-        case = make_case(spec, query_lens, context_lens, num_decodes, pad_tokens=2,
-                         device=DEVICE)  # fmt: skip
-        out, quant, step = run_quantized(case, provider="triton")
-        assert step.state is state
-        _check(case, out, quant, step)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", QUANTIZED_KINDS)
-@pytest.mark.parametrize("launch", ["8bit", "16bit", "keys_lhs"])
+@pytest.mark.parametrize("launch", ["8bit", "16bit"])
 def test_gpu_chunks_over_whole_page_tiles(
     kind: str, launch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,9 +109,6 @@ def test_gpu_chunks_over_whole_page_tiles(
     provider = get_provider("triton", "cuda")
     if launch == "16bit":
         monkeypatch.setattr(provider, "prefill_launch_8bit", None)
-    elif launch == "keys_lhs":
-        keys_lhs = {**provider.prefill_launch_8bit, "keys_lhs": 1}
-        monkeypatch.setattr(provider, "prefill_launch_8bit", keys_lhs)
     else:
         assert provider.prefill_launch_8bit is not None
     out, quant, step = run_quantized(case, provider="triton")

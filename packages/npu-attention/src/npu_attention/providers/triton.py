@@ -560,7 +560,6 @@ def _launch_config(
         pdl=bool(params.get("pdl", 0)),
         prefetch_tiles=int(params.get("prefetch_tiles", 0)),
         fast_dequant=bool(params.get("fast_dequant", 0)),
-        keys_lhs=bool(params.get("keys_lhs", 0)),
     )
 
 

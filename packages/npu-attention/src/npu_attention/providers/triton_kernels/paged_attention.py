@@ -58,8 +58,6 @@ class AttentionLaunchConfig:
     two) as it starts, while its lengths are still on their way, instead of after them.
     ``fast_dequant``: 8-bit pages converted by integer and float arithmetic
     (``dequant.py``) instead of conversion instructions (CUDA, 16-bit queries).
-    ``keys_lhs``: prefill tiles over 8-bit pages (no window, no soft cap) compute the
-    scores transposed, the converted key tile as the left operand (``_attend_keys_lhs``).
     """
 
     block_m: int
@@ -70,7 +68,6 @@ class AttentionLaunchConfig:
     pdl: bool = False
     prefetch_tiles: int = 0
     fast_dequant: bool = False
-    keys_lhs: bool = False
 
 
 @triton.jit
@@ -245,113 +242,6 @@ def _attend_keys(
 
 
 @triton.jit
-def _attend_keys_lhs(
-    acc,
-    l_i,
-    m_i,
-    q_t,
-    k_ptr,
-    v_ptr,
-    block_table_row,
-    key_positions_start,
-    key_positions_end,
-    valid_end,
-    query_pos,
-    stride_kb,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vd,
-    qk_scale,
-    ks_ptr,
-    vs_ptr,
-    stride_ksb,
-    stride_kst,
-    stride_vsb,
-    stride_vst,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    VALUE_SIZE: tl.constexpr,
-    VALUE_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE_TILES: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr,
-    FAST_DEQUANT: tl.constexpr,
-):
-    """``_attend_keys`` over 8-bit pages (no window, no soft cap) with the scores
-    transposed: ``K @ Q^T`` takes the converted key tile as its left operand, which
-    the matrix units read from registers, instead of writing it back to shared memory
-    as the right operand of ``Q @ K^T``; the probabilities are transposed back for
-    ``P @ V``. ``q_t`` is ``[HEAD_PAD, BLOCK_M]``; the rest as in ``_attend_keys``.
-    """
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_mask = offs_d < HEAD_SIZE
-    offs_v = tl.arange(0, VALUE_PAD)
-    v_mask = offs_v < VALUE_SIZE
-    LOAD_MASKS: tl.constexpr = MASKED or HEAD_SIZE != HEAD_PAD
-    V_LOAD_MASKS: tl.constexpr = MASKED or VALUE_SIZE != VALUE_PAD
-    for start_n in tl.range(key_positions_start, key_positions_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        if MASKED:  # noqa: SIM108 (a constexpr branch, not a value choice)
-            n_mask = offs_n < valid_end
-        else:
-            n_mask = offs_n >= 0
-        if PAGE_TILES:  # each tile lies in one page
-            block = tl.load(block_table_row + start_n // BLOCK_SIZE).to(tl.int64)
-            in_page = start_n % BLOCK_SIZE + tl.arange(0, BLOCK_N)
-            blocks = block + 0 * in_page
-        else:
-            in_page = offs_n % BLOCK_SIZE
-            blocks = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-            blocks = blocks.to(tl.int64)
-        k_ptrs = k_ptr + (blocks * stride_kb + in_page * stride_kt)[:, None]
-        k_ptrs = k_ptrs + offs_d[None, :] * stride_kd
-        if LOAD_MASKS:
-            k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        k = dequant_tl(k, q_t.dtype) if FAST_DEQUANT else k.to(q_t.dtype)
-        scores_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        if KV_QUANT == 2:
-            k_scales = tl.load(ks_ptr + blocks * stride_ksb + in_page * stride_kst,
-                               mask=n_mask, other=0.0)  # fmt: skip
-            scores_t = scores_t * k_scales[:, None]
-        if MASKED:
-            visible = n_mask[:, None]
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= query_pos[None, :])
-            scores_t = tl.where(visible, scores_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores_t, 0) * qk_scale)
-        if MASKED:  # noqa: SIM108 (constexpr branch; a row may not have seen a key yet)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_safe = m_new
-        p_t = tl.exp2(scores_t * qk_scale - m_safe[None, :])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        v_ptrs = v_ptr + (blocks * stride_vb + in_page * stride_vt)[:, None]
-        v_ptrs = v_ptrs + offs_v[None, :] * stride_vd
-        if V_LOAD_MASKS:
-            v = tl.load(v_ptrs, mask=n_mask[:, None] & v_mask[None, :], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        v = dequant_tl(v, q_t.dtype) if FAST_DEQUANT else v.to(q_t.dtype)
-        if KV_QUANT == 2:
-            v_scales = tl.load(vs_ptr + blocks * stride_vsb + in_page * stride_vst,
-                               mask=n_mask, other=0.0)  # fmt: skip
-            p_t = p_t * v_scales[:, None]
-        p = tl.trans(p_t.to(v.dtype))
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _prefetch_l2(ptrs):
     """Ask the L2 for the 128-byte lines at ``ptrs`` (a hint: nothing waits for it)."""
     tl.inline_asm_elementwise(
@@ -457,7 +347,6 @@ def _paged_attention_kernel(
     LINE_ELEMS: tl.constexpr,
     KV_QUANT: tl.constexpr = 0,
     FAST_DEQUANT: tl.constexpr = False,
-    KEYS_LHS: tl.constexpr = False,
 ):
     if PDL:  # launched early: wait for the kernel before this one, let the next one start
         tl.extra.cuda.gdc_wait()
@@ -537,41 +426,24 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, VALUE_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if KEYS_LHS:  # 8-bit pages, prefill tiles, no window or soft cap
-        q_t = tl.trans(q)
-        acc, l_i, m_i = _attend_keys_lhs(
-            acc, l_i, m_i, q_t, k_base, v_base, block_table_row, kv_lo, full_hi, kv_hi,
-            query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            qk_scale, ks_base, vs_base, stride_ksb, stride_kst, stride_vsb, stride_vst,
-            HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE, BLOCK_N, PAGE_TILES,
-            False, CAUSAL, DOT_PRECISION, KV_QUANT, FAST_DEQUANT,
-        )  # fmt: skip
-        acc, l_i, m_i = _attend_keys_lhs(
-            acc, l_i, m_i, q_t, k_base, v_base, block_table_row, full_hi, kv_hi, kv_hi,
-            query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            qk_scale, ks_base, vs_base, stride_ksb, stride_kst, stride_vsb, stride_vst,
-            HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE, BLOCK_N, PAGE_TILES,
-            True, CAUSAL, DOT_PRECISION, KV_QUANT, FAST_DEQUANT,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = _attend_keys(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
-            query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            qk_scale, soft_cap, window, ks_base, vs_base, stride_ksb, stride_kst, stride_vsb,
-            stride_vst, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
-            BLOCK_N, PAGED, PAGE_TILES,
-            False, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, KV_QUANT,
-            FAST_DEQUANT,
-        )  # fmt: skip
-        acc, l_i, m_i = _attend_keys(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
-            query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            qk_scale, soft_cap, window, ks_base, vs_base, stride_ksb, stride_kst, stride_vsb,
-            stride_vst, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
-            BLOCK_N, PAGED, PAGE_TILES,
-            True, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, KV_QUANT,
-            FAST_DEQUANT,
-        )  # fmt: skip
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, kv_lo, full_hi, kv_hi,
+        query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        qk_scale, soft_cap, window, ks_base, vs_base, stride_ksb, stride_kst, stride_vsb,
+        stride_vst, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
+        BLOCK_N, PAGED, PAGE_TILES,
+        False, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, KV_QUANT,
+        FAST_DEQUANT,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, k_base, v_base, block_table_row, q_start, full_hi, kv_hi, kv_hi,
+        query_pos, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+        qk_scale, soft_cap, window, ks_base, vs_base, stride_ksb, stride_kst, stride_vsb,
+        stride_vst, HEAD_SIZE, HEAD_PAD, VALUE_SIZE, VALUE_PAD, BLOCK_SIZE,
+        BLOCK_N, PAGED, PAGE_TILES,
+        True, CAUSAL, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, KV_QUANT,
+        FAST_DEQUANT,
+    )  # fmt: skip
 
     if KV_QUANT == 1:  # the value scale, on the output
         acc = acc * tl.load(v_scale_ptr)
@@ -733,8 +605,6 @@ def paged_attention(
     use_soft_cap = logits_soft_cap is not None
     qk_scale = scale if use_soft_cap else scale * _LOG2E  # soft cap: log2(e) after the cap
     kv_quant, scales, scale_strides = _scale_args(k_scale, v_scale, query)
-    keys_lhs = config.keys_lhs and bool(kv_quant) and paged and not decode_tiles
-    keys_lhs = keys_lhs and sliding_window is None and not use_soft_cap
     _paged_attention_kernel[grid](
         query,
         key_cache,
@@ -788,7 +658,6 @@ def paged_attention(
         and config.fast_dequant
         and query.device.type == "cuda"
         and query.dtype in (torch.float16, torch.bfloat16),
-        KEYS_LHS=keys_lhs,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **_pdl_launch(use_pdl),
