@@ -14,6 +14,9 @@ from engines import VLLM_CPU_BACKENDS, run_engines
 
 pytestmark = pytest.mark.skipif(VLLM_CPU_BACKENDS, reason="this vLLM has its compiled ops")
 
+# vLLM's default dtype: bfloat16 from these float32 checkpoints, whose small layers
+# vLLM's CPU linear would pack for its compiled SGL GEMM on an AMX CPU.
+DEFAULT_DTYPE = {"dtype": "auto"}
 ROUND = [
     {"prompt": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], "max_tokens": 10},
     {"prompt": [9, 3, 9, 3, 9, 3, 9], "max_tokens": 8},
@@ -22,13 +25,15 @@ ROUND = [
 
 
 def test_v1_speculation_gives_the_tokens_without_it(checkpoints, tmp_path):
-    """EAGLE (a random draft head: drafts accepted and rejected) on V1, eagerly. (vLLM's
+    """EAGLE (a random draft head: drafts accepted and rejected) on V1, eagerly, at vLLM's
+    default dtype. (vLLM's
     V1 ngram proposer needs numba, which vLLM's common requirements do not install.)"""
     draft = write_eagle_draft(checkpoints["llama"], tmp_path / "eagle-draft")
     eagle = {"method": "eagle", "model": str(draft), "num_speculative_tokens": 2}
     plain, speculating = run_engines(
         checkpoints["llama"], [ROUND],
-        [{"enforce_eager": True}, {"enforce_eager": True, "speculative_config": eagle}],
+        [{**DEFAULT_DTYPE, "enforce_eager": True},
+         {**DEFAULT_DTYPE, "enforce_eager": True, "speculative_config": eagle}],
         bridge=True, tmp_path=tmp_path, unset_env=("VLLM_USE_V2_MODEL_RUNNER",),
     )  # fmt: skip
     for result in (plain, speculating):
