@@ -10,7 +10,10 @@
 #                                        # and 128 heads)
 #   bash benchmarks/gpu_suite.sh tests   # the `-m cuda` tests of npu-attention and npu-graphs
 #                                        # (four processes at once: 4 minutes on a fresh H100 machine)
-#   bash benchmarks/gpu_suite.sh final   # every benchmark at its defaults
+#   bash benchmarks/gpu_suite.sh final   # every benchmark at its defaults, and the 8-bit
+#                                        # caches' decode (int8_per_token_head, fp8,
+#                                        # fp8_per_token_head) and prefill (int8_per_token_head,
+#                                        # fp8), each beside the 16-bit cache in its process
 #   bash benchmarks/gpu_suite.sh kv8     # 8-bit KV caches: their `cuda` tests (GQA and the MLA
 #                                        # fp8 latent cache, three processes), then decode and
 #                                        # prefill of int8_per_token_head, fp8 and
@@ -73,11 +76,19 @@ case $mode in
         ;;
     final)
         part prefill 90 python benchmarks/bench_prefill_attention.py
-        part mla_prefill 60 python benchmarks/bench_mla_prefill.py
+        part mla_prefill 30 python benchmarks/bench_mla_prefill.py
         part decode 200 python benchmarks/bench_decode_attention.py
+        for kind in int8_per_token_head fp8 fp8_per_token_head; do
+            part "decode_$kind" 35 python benchmarks/bench_decode_attention.py \
+                --kv-cache-dtype "$kind" --rounds 2
+        done
+        for kind in int8_per_token_head fp8; do
+            part "prefill_$kind" 35 python benchmarks/bench_prefill_attention.py \
+                --kv-cache-dtype "$kind"
+        done
         part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
-        part mla_decode 40 python benchmarks/bench_mla_decode.py
-        part mla_decode_128 40 python benchmarks/bench_mla_decode.py --heads 128
+        part mla_decode 30 python benchmarks/bench_mla_decode.py
+        part mla_decode_128 35 python benchmarks/bench_mla_decode.py --heads 128
         ;;
     mla)
         part mla_prefill 60 python benchmarks/bench_mla_prefill.py
