@@ -158,6 +158,11 @@ def largest_graph_tokens(llm, mode: str, max_num_seqs: int) -> int:
     return min(largest, max_num_seqs) if mode == "FULL_DECODE_ONLY" else largest
 
 
+def _runner_graph_counters(worker) -> dict:
+    """The graph counters of the worker's model runner (called in the worker)."""
+    return worker.model_runner.graph_counters().as_dict()
+
+
 def run_child(args: argparse.Namespace) -> dict:
     """Start one engine in this process for ``args.child`` and measure it."""
     from host_threads import set_default_omp_threads
@@ -165,11 +170,9 @@ def run_child(args: argparse.Namespace) -> dict:
 
     set_default_omp_threads()
     os.environ["NPU_BRIDGE_DEVICE"] = "cpu"
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # counters live in this process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
     model = smollm2_checkpoint()
     from vllm import LLM
-
-    from npu_vllm_bridge.graphs.counters import graph_counters
 
     start = time.perf_counter()
     llm = LLM(model=str(model), **engine_kwargs(args, args.child))
@@ -187,7 +190,7 @@ def run_child(args: argparse.Namespace) -> dict:
         full_s, tokens = _timed_chat(llm, conversations, args.max_tokens)
         decode_tokens = tokens - len(conversations)
         decode.append(decode_tokens / max(full_s - prefill_s, 1e-9))
-    counters = graph_counters().as_dict()
+    counters = llm.collective_rpc(_runner_graph_counters)[0]
     result = {
         "startup_s": startup_s,
         "decode_tokens_per_s": max(decode),

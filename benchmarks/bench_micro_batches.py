@@ -92,7 +92,6 @@ def measure(layers: int, steps: int) -> dict[str, Any]:
     )
     from vllm.v1.worker.ubatch_utils import UBatchSlice
 
-    from npu_vllm_bridge.graphs.counters import graph_counters, reset_graph_counters
     from npu_vllm_bridge.graphs.ubatch_wrapper import BridgeUBatchWrapper
 
     config = _setup()
@@ -127,7 +126,7 @@ def measure(layers: int, steps: int) -> dict[str, Any]:
                 outputs.append(model(**part))
         torch.cat(outputs)
 
-    reset_graph_counters()
+    wrapper.counters.reset()
     with torch.inference_mode():
         row = {
             "moe_layers": layers,
@@ -136,7 +135,7 @@ def measure(layers: int, steps: int) -> dict[str, Any]:
             "split_us": _median_us(split, steps),
             "whole_us": _median_us(whole, steps),
         }
-    row["hand_overs"] = graph_counters().yields_per_split_forward
+    row["hand_overs"] = wrapper.counters.yields_per_split_forward
     row["overhead_us"] = row["split_us"] - row["sequential_us"]
     return row
 

@@ -68,13 +68,16 @@ def choose_device(requested: str) -> str:
     return "cpu"
 
 
-def print_graph_counters(enforce_eager: bool) -> None:
-    from npu_vllm_bridge.graphs.counters import graph_counters
+def runner_graph_counters(worker):
+    """The graph counters of the worker's model runner (called in the worker)."""
+    return worker.model_runner.graph_counters()
 
+
+def print_graph_counters(llm, enforce_eager: bool) -> None:
     if enforce_eager:
         print("Graphs: off (--enforce-eager)")
         return
-    c = graph_counters()
+    c = llm.collective_rpc(runner_graph_counters)[0]
     print(
         f"Graphs: {c.captured} recorded in {c.capture_seconds:.1f} s (one per FULL batch "
         "size, one per piece of each PIECEWISE batch size; host mode records each size's "
@@ -97,7 +100,7 @@ def main() -> None:
     device = choose_device(args.device)
     # The platform is chosen once, when vLLM is imported: set the switch first.
     os.environ["NPU_BRIDGE_DEVICE"] = device
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # counters live in-process
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     model_dir = smollm2_checkpoint(args.cache_dir)
 
     from vllm import LLM, SamplingParams
@@ -126,7 +129,7 @@ def main() -> None:
         f"\nGenerated {generated} tokens for {len(outputs)} chats in {seconds:.2f} s: "
         f"{generated / seconds:.1f} tokens/s"
     )
-    print_graph_counters(args.enforce_eager)
+    print_graph_counters(llm, args.enforce_eager)
 
 
 if __name__ == "__main__":

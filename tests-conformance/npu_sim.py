@@ -241,9 +241,11 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[list
 
 
 def _bridge_graph_counters(worker: Any) -> dict[str, Any]:
-    """The bridge's graph counters of a worker process (the drafter's graphs too)."""
-    from npu_vllm_bridge.graphs.counters import graph_counters
+    """The graph counters of a worker's model runner (the drafter's graphs too); none
+    counted by vLLM's own runner (``--reference``)."""
+    from npu_vllm_bridge.graphs.counters import GraphCounters
 
+    graph_counters = getattr(worker.model_runner, "graph_counters", GraphCounters)
     return {"counts": graph_counters().as_dict()}
 
 

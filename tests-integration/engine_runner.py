@@ -13,7 +13,8 @@ into the result's "probe"), "rounds": [[{"prompt": [ids],
 "max_tokens": n, "stop_token_ids": [ids] (optional: without it, exactly max_tokens
 tokens)}, ...], ...], "host_platform": {BridgeSettings field: value}}. Each round is one ``generate`` call; later rounds
 reuse the prefix cache of earlier ones. Output line: ``RESULT {"tokens": [[...]
-per round], "cached_tokens": [[prefix-cache hits per prompt] per round], "counters": {...}, "states": {...}, "backend": name}``
+per round], "cached_tokens": [[prefix-cache hits per prompt] per round], "counters": {...}
+(the first rank's model runner's graph counters), "states": {...}, "backend": name}``
 (with several ranks also ``"rank_counters"``: each worker's counters and OpenMP binding) or
 ``RESULT {"error": "Type: message"}`` when the engine refuses to start; with "engines",
 ``RESULT {"runs": [one such object per engine]}``.
@@ -42,17 +43,15 @@ def _record_plan_states(states: Counter) -> None:
     npu_attention.plan = recording_plan
 
 
-def _bridge_counters(worker=None) -> dict:
-    """This process's bridge graph counters and vLLM's capture count (a worker's, when
-    called through ``collective_rpc``)."""
+def _bridge_counters(worker) -> dict:
+    """A worker's bridge graph counters (its model runner's) and its process's vLLM
+    capture count (called through ``collective_rpc``)."""
     from vllm.compilation.counter import compilation_counter
 
-    from npu_vllm_bridge.graphs.counters import graph_counters
-
     return {
-        "counters": graph_counters().as_dict(),
+        "counters": worker.model_runner.graph_counters().as_dict(),
         "vllm_cudagraph_captured": compilation_counter.num_cudagraph_captured,
-        "model_runner": worker and type(worker.model_runner).__name__,
+        "model_runner": type(worker.model_runner).__name__,
         "pcp_world_size": getattr(_pcp_manager(worker), "pcp_world_size", 1),
         # The OpenMP binding vLLM gave this process (set only in CPU worker processes).
         "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "GOMP_"))},
@@ -137,10 +136,11 @@ def _run_engine(spec: dict, engine: dict, bridge: bool, states: Counter) -> tupl
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     result["num_layers"] = layers
     if bridge:
-        result.update(_bridge_counters())
+        ranks = llm.collective_rpc(_bridge_counters)
+        result.update(ranks[0])  # the first rank's (the only one in this process)
         if llm.llm_engine.vllm_config.parallel_config.world_size > 1:
             # Workers run in their own processes: each rank's counters.
-            result["rank_counters"] = llm.collective_rpc(_bridge_counters)
+            result["rank_counters"] = ranks
     from vllm.platforms import current_platform
 
     result["platform"] = type(current_platform).__name__

@@ -73,10 +73,12 @@ def _record_plan_states(states: Counter) -> None:
     npu_attention.plan = recording_plan
 
 
-def run_one(name: str, spec: dict, engine: dict, states: Counter) -> dict:
-    from npu_vllm_bridge.graphs.counters import reset_graph_counters
+def _graph_counters(worker) -> dict:
+    """The worker's model runner's graph counters (the drafter's graphs too)."""
+    return worker.model_runner.graph_counters().as_dict()
 
-    reset_graph_counters()
+
+def run_one(name: str, spec: dict, engine: dict, states: Counter) -> dict:
     states.clear()
     gc.collect()  # the previous engine's graph wrappers leave the bridge's weak set
     engine = dict(engine)
@@ -91,8 +93,6 @@ def run_one(name: str, spec: dict, engine: dict, states: Counter) -> dict:
 
 def _run_engine(name: str, spec: dict, engine: dict, states: Counter, skipped: list) -> dict:
     from vllm import LLM, SamplingParams
-
-    from npu_vllm_bridge.graphs.counters import graph_counters
 
     spec = {
         **spec,
@@ -112,7 +112,7 @@ def _run_engine(name: str, spec: dict, engine: dict, states: Counter, skipped: l
         "name": name,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "spec": _difference(spec_decode_stats(llm), before),
-        "counters": graph_counters().as_dict(),
+        "counters": llm.collective_rpc(_graph_counters)[0],
         "states": dict(states),
         "skipped_draft_updates": len(skipped),
     }

@@ -31,7 +31,7 @@ def main() -> None:
         FullGraphs.replay = replay_without_update
     counters = engine_runner._bridge_counters
 
-    def counters_and_runners(worker=None) -> dict:
+    def counters_and_runners(worker) -> dict:
         return {**counters(worker), "model_runners": built, "skipped_task_updates": len(skipped)}
 
     engine_runner._bridge_counters = counters_and_runners
