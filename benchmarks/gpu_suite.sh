@@ -75,9 +75,9 @@ case $mode in
         wait
         ;;
     final)
-        part prefill 90 python benchmarks/bench_prefill_attention.py
+        part prefill 70 python benchmarks/bench_prefill_attention.py
         part mla_prefill 30 python benchmarks/bench_mla_prefill.py
-        part decode 200 python benchmarks/bench_decode_attention.py
+        part decode 140 python benchmarks/bench_decode_attention.py
         for kind in int8_per_token_head fp8 fp8_per_token_head; do
             part "decode_$kind" 35 python benchmarks/bench_decode_attention.py \
                 --kv-cache-dtype "$kind" --rounds 2
@@ -86,7 +86,7 @@ case $mode in
             part "prefill_$kind" 35 python benchmarks/bench_prefill_attention.py \
                 --kv-cache-dtype "$kind"
         done
-        part decoder_step 90 python benchmarks/bench_decoder_step.py --steps 30
+        part decoder_step 60 python benchmarks/bench_decoder_step.py --steps 30
         part mla_decode 30 python benchmarks/bench_mla_decode.py
         part mla_decode_128 35 python benchmarks/bench_mla_decode.py --heads 128
         ;;
