@@ -258,7 +258,18 @@ PREFILL_VARIANTS_8BIT = {
         "num_stages": 3,
         "fast_dequant": 0,
     },
-}
+    "m128_n128_w8_s2_fast": {
+        "block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "fast_dequant": 1,
+    },
+    "m128_n64_w8_s2_fast": {
+        "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2, "fast_dequant": 1,
+    },
+    "m128_n64_w8_s3_fast": {
+        "block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3, "fast_dequant": 1,
+    },
+    "m64_n128_w4_s1": {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 1},
+    "m64_n64_w4_s2": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+}  # fmt: skip
 
 
 def prefill_variant_rows(
