@@ -87,6 +87,27 @@ def test_host_sync_inside_capture_is_refused(host):
         host.replay(graph)
 
 
+def test_unrecorded_ops_run_at_capture_and_not_at_replay(host):
+    x = torch.ones(2)
+    counts = torch.tensor([3, 3])
+
+    def step():
+        with host.unrecorded():
+            assert counts[0] == 3  # reads a value: refused if recorded
+            counts.add_(1)  # runs once, at capture
+        return x * 2
+
+    graph, out = capture(host, step)
+    assert counts.tolist() == [4, 4]
+    x.fill_(5.0)
+    host.replay(graph)
+    torch.testing.assert_close(out, torch.full((2,), 10.0))
+    assert counts.tolist() == [4, 4]  # not replayed
+    with host.unrecorded():  # outside a capture: just runs
+        counts.add_(1)
+    assert counts.tolist() == [5, 5]
+
+
 def test_one_capture_at_a_time(host):
     outer, inner = host.new_graph(), host.new_graph()
     with (

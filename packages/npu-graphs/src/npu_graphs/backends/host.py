@@ -477,6 +477,22 @@ class HostGraphBackend(GraphBackend):
     def is_capturing(self) -> bool:
         return _ACTIVE is not None
 
+    @staticmethod
+    @contextlib.contextmanager
+    def unrecorded() -> Iterator[None]:
+        """The ops this thread issues in the block run now and stay out of the capture
+        under way (none: the block just runs): host-side bookkeeping whose results no
+        replay needs, such as a check that reads a tensor's value."""
+        graph = _ACTIVE
+        if graph is None:
+            yield
+            return
+        graph._opaque.depth = graph.opaque_depth + 1
+        try:
+            yield
+        finally:
+            graph._opaque.depth -= 1
+
     @contextlib.contextmanager
     def join_capture(self) -> Iterator[None]:
         graph = _ACTIVE
