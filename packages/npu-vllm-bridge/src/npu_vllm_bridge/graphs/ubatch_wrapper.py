@@ -66,7 +66,7 @@ from npu_graphs import (
     get_backend,
     graph_dispatch,
 )
-from npu_vllm_bridge.graphs.counters import graph_counters
+from npu_vllm_bridge.graphs.counters import GraphCounters
 from npu_vllm_bridge.graphs.full_graphs import (
     count_vllm_capture,
     graph_backend_name,
@@ -214,6 +214,10 @@ class BridgeUBatchWrapper(RunnableProxy):
         num_attention_layers: attention tasks one micro-batch records (checked at
             each capture, times the micro-batches); ``None`` to skip the check.
         graph_backend: npu-graphs backend name; default: the current platform's.
+
+    Attributes:
+        counters: its split steps, micro-batched graphs and their replays (the unsplit
+            steps count in ``inner``'s, a graph wrapper of its own).
     """
 
     def __init__(
@@ -248,6 +252,7 @@ class BridgeUBatchWrapper(RunnableProxy):
             name=f"{type(runnable).__name__}[micro-batched FULL]",
         )
         self.capture_on_first_use = current_settings().capture_on_first_use
+        self.counters = GraphCounters()
         self._step: _SplitStep | None = None
         track_wrapper(self)
         patched = install_micro_batch_ids()
@@ -272,7 +277,7 @@ class BridgeUBatchWrapper(RunnableProxy):
     def _run_split(self, context: ForwardContext, slices: list, kwargs: dict) -> Any:
         splits = tuple(int(s.num_tokens) for s in slices)  # vLLM may give numpy ints
         inputs, step = self._split_inputs(context, slices, kwargs)
-        counters = graph_counters()
+        counters = self.counters
         counters.split_steps += 1
         counters.split_unequal_steps += len(set(splits)) > 1
         decode = all(is_decode_step(md) for md in context.attn_metadata or [None])
@@ -303,7 +308,7 @@ class BridgeUBatchWrapper(RunnableProxy):
         """Replay the graph of both micro-batches, each micro-batch's attention tasks
         brought to its own plan: before the replay on host graphs; on the NPU after the
         replay is launched (each task waits on the device for its update)."""
-        counters = graph_counters()
+        counters = self.counters
         counters.replayed_steps += 1
         counters.split_replayed_steps += 1
         updated = bool(self.tasks.num_tasks(self.runner.graph_key(key, splits)))
@@ -321,7 +326,7 @@ class BridgeUBatchWrapper(RunnableProxy):
         start = time.perf_counter()
         with graph_dispatch(RuntimeMode.FULL, key):
             outputs = self.runner(inputs, splits)
-        counters = graph_counters()
+        counters = self.counters
         counters.captured += 1
         counters.split_captured += 1
         count_vllm_capture()

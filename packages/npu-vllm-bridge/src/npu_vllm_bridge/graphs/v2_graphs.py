@@ -18,8 +18,9 @@ replaces ``capture``, ``dispatch`` and ``run_fullgraph``:
   step then fills), and PIECEWISE pieces capture themselves at their first step. Under
   vLLM's memory profiling, the largest and smallest descriptor of each mode are
   captured and the rest estimated from them (``memory_estimate.py``).
-* ``dispatch``: vLLM's; steps that run without graphs are counted, a decode step larger
-  than the largest graph logged once.
+* ``dispatch``: vLLM's; steps that run without graphs are counted (in the graph
+  component's counters, ``full.counters``), a decode step larger than the largest graph
+  logged once.
 * ``run_fullgraph(desc)``: the step's ``{layer_name: attn_metadata}`` (left by the model
   runner in :attr:`BridgeModelGraphManager.step_attn_metadata`, from the model state's
   ``prepare_attn``) goes to ``FullGraphs.replay``, which replays with the tasks brought
@@ -191,6 +192,7 @@ class NpuGraphsCapture(CudaGraphManager):
         counted, a decode step off the grid logged once)."""
         if desc.cg_mode == CUDAGraphMode.NONE:
             count_eager_step(
+                self.full.counters,
                 num_tokens,
                 self.vllm_config.compilation_config.max_cudagraph_capture_size,
                 lambda: uniform_token_count is not None,

@@ -26,11 +26,14 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from npu_vllm_bridge.graphs.counters import GraphCounters, RunnerCounters
 from npu_vllm_bridge.graphs.v2_draft_graphs import (
+    DRAFT_MANAGERS,
     BridgeSpeculatorGraphManager,
     leave_draft_metadata_with_graphs,
 )
-from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager
+from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager, NpuGraphsCapture
+from npu_vllm_bridge.graphs.wrapper import wrappers_of
 from npu_vllm_bridge.vllm_seam import (
     V2_MODEL_GRAPH_MANAGER,
     V2_MODEL_STATE_PREPARE_ATTN,
@@ -44,11 +47,28 @@ from npu_vllm_bridge.vllm_seam import (
 DRAFTER_MANAGERS = (V2_TDAR_SPECULATOR_GRAPH_MANAGER, V2_MTP_SPECULATOR_GRAPH_MANAGER)
 
 
-class GraphManagerHook:
-    """Mixin for a V2 ``GPUModelRunner`` subclass: the bridge's graph manager."""
+class GraphManagerHook(RunnerCounters):
+    """Mixin for a V2 ``GPUModelRunner`` subclass: the bridge's graph manager, and
+    ``graph_counters()`` summing what its graph components counted."""
 
+    vllm_config: Any
     model_state: Any
     cudagraph_manager: Any
+
+    def graph_component_counters(self) -> list[GraphCounters]:
+        """The counters of the graph components of this runner: its graph manager's
+        (FULL graphs, dispatches without graphs), its drafter's managers', the
+        PIECEWISE pieces' (and any other graph wrapper of this engine's)."""
+        speculator = getattr(self, "speculator", None)
+        managers = [getattr(self, "cudagraph_manager", None)]
+        managers += [getattr(speculator, name, None) for name in DRAFT_MANAGERS]
+        parts = [
+            manager.full.counters
+            for manager in managers
+            if isinstance(manager, NpuGraphsCapture) and manager.full is not None
+        ]
+        parts += [wrapper.counters for wrapper in wrappers_of(self.vllm_config)]
+        return list({id(counters): counters for counters in parts}.values())  # each once
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
