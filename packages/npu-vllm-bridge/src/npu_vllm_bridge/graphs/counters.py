@@ -6,8 +6,9 @@ steps ran. Nothing here is process-wide: every count lives in an object its owne
   ``DRAFTER``, into the ``draft_*`` fields, its captures also in ``captured``); V1's
   ``BridgeGraphWrapper`` its PIECEWISE captures and piece replays and, for the wrapper
   that counts a model's steps, the steps run without graphs; V2's graph managers their
-  dispatches without graphs (a drafter's into ``draft_other_forwards``); the micro-batch
-  wrapper its split steps and micro-batched graphs.
+  dispatches without graphs, into their ``FullGraphs``' (a drafter's into
+  ``draft_other_forwards``); the micro-batch wrappers their split steps and
+  micro-batched graphs.
 * The model runner owns one too, for what its start-up counts (capture time and bytes,
   the graph-memory estimate, ``serving``), and answers ``graph_counters()``: the sum
   (:func:`sum_counters`) of its own and its components', a fresh object each call
