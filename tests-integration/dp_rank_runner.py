@@ -19,10 +19,8 @@ from pathlib import Path
 
 
 def _worker_counters(worker) -> dict:
-    """The bridge's graph and micro-batch counters of the worker's process."""
-    from npu_vllm_bridge.graphs.counters import graph_counters
-
-    return graph_counters().as_dict()
+    """The bridge's graph and micro-batch counters of the worker's model runner."""
+    return worker.model_runner.graph_counters().as_dict()
 
 
 def main() -> None:

@@ -170,6 +170,44 @@ GPU_RUNNER_UBATCH_WRAPPER = _entry(
     _names("runnable vllm_config runtime_mode device"),
     "swapped for a pass-through while vLLM's V1 runner loads the model",
 )  # fmt: skip
+V2_UBATCH_RUNNER = _entry(
+    "vllm.v1.worker.gpu.ubatch_utils", "UBatchRunner", CLASS,
+    _names("vllm_config device model_state attn_groups kv_cache_config max_num_reqs"),
+    "swapped for the bridge's micro-batch runner while the V2 runner builds it",
+)  # fmt: skip
+DBO_UNSUPPORTED_FEATURES = _entry(
+    "vllm.config.vllm", "VllmConfig._get_dbo_unsupported_features", METHOD, _names("self"),
+    "what vLLM's V2 runner refuses to micro-batch, asked while the platform holds DBO",
+)  # fmt: skip
+V2_DISPATCH_CG_AND_SYNC_DP = Internal(
+    "vllm.v1.worker.gpu.model_runner", "dispatch_cg_and_sync_dp", FUNCTION,
+    _names(
+        "cudagraph_manager num_reqs num_tokens uniform_token_count dp_size dp_rank "
+        "max_query_len need_eager num_active_loras parallel_config allow_ubatching "
+        "uniform_decode dp_sync_state"
+    ),
+    "swapped while the V2 runner executes a step: the graph manager captures a FULL "
+    "descriptor at first use only once the DP ranks agreed on it",
+    params_from=(
+        "0.33.0",
+        _names(
+            "cudagraph_manager num_reqs num_tokens uniform_token_count dp_size dp_rank "
+            "max_query_len need_eager num_active_loras parallel_config allow_ubatching "
+            "uniform_decode allow_skip_drafts dp_sync_state"
+        ),
+    ),
+)  # fmt: skip
+DP_METADATA_MAKE = _entry(
+    "vllm.forward_context", "DPMetadata.make", METHOD,
+    _names("parallel_config num_tokens num_tokens_across_dp_cpu"),
+    "host mode: run outside the host graph's recording in a V2 capture (it asserts on a "
+    "tensor's value)",
+)  # fmt: skip
+# What vLLM's V2 UBatchRunner.__init__ builds for its CUDA threads (streams, barrier,
+# SM control); the bridge's runner builds the rest (v2_ubatch_runner_buffers).
+V2_UBATCH_RUNNER_CUDA_ATTRIBUTES = (
+    "comm_stream", "capture_stream", "ready_barrier", "_pending_finish", "sm_control",
+)  # fmt: skip
 
 # --- Model Runner V1 -----------------------------------------------------------------
 
@@ -481,6 +519,10 @@ INTERNALS: tuple[Internal, ...] = (
     DBO_CURRENT_UBATCH_ID,
     DBO_CURRENT_UBATCH_TOKEN_OFFSET,
     GPU_RUNNER_UBATCH_WRAPPER,
+    V2_UBATCH_RUNNER,
+    DBO_UNSUPPORTED_FEATURES,
+    DP_METADATA_MAKE,
+    V2_DISPATCH_CG_AND_SYNC_DP,
     V1_WARMUP_AND_CAPTURE,
     V1_INIT_MINIMAL_KV_CACHE_FOR_PROFILING,
     V1_CLEANUP_PROFILING_KV_CACHE,
@@ -615,6 +657,74 @@ def ubatch_wrapper_bypassed(stand_in: type) -> contextlib.AbstractContextManager
     """vLLM's V1 runner builds ``stand_in`` for its ``UBatchWrapper`` in the block
     (:data:`GPU_RUNNER_UBATCH_WRAPPER`)."""
     return swap_module_attribute(GPU_RUNNER_UBATCH_WRAPPER, stand_in)
+
+
+def dbo_unsupported_features(vllm_config: Any) -> list[str]:
+    """What vLLM's V2 runner does not micro-batch in ``vllm_config``
+    (:data:`DBO_UNSUPPORTED_FEATURES`; ``["dual batch overlap"]`` unless
+    ``VLLM_USE_V2_MODEL_RUNNER`` is set)."""
+    return call_method(vllm_config, DBO_UNSUPPORTED_FEATURES)
+
+
+@contextlib.contextmanager
+def dp_metadata_make_inside(
+    around: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Iterator[None]:
+    """In the enclosed block, vLLM's ``DPMetadata.make`` (:data:`DP_METADATA_MAKE`) runs
+    inside ``around()``."""
+    _check_kind(DP_METADATA_MAKE, METHOD)
+    cls = importlib.import_module(DP_METADATA_MAKE.module).DPMetadata
+    make = cls.make
+
+    def make_inside(*args: Any, **kwargs: Any) -> Any:
+        with around():
+            return make(*args, **kwargs)
+
+    with mock.patch.object(cls, "make", staticmethod(make_inside)):
+        yield
+
+
+def v2_ubatch_runner_buffers(
+    runner: Any,
+    vllm_config: Any,
+    device: Any,
+    model_state: Any,
+    attn_groups: Any,
+    kv_cache_config: Any,
+    max_num_reqs: int,
+) -> None:
+    """What vLLM's V2 ``UBatchRunner.prepare`` reads of its runner, as vLLM's constructor
+    sets it, less :data:`V2_UBATCH_RUNNER_CUDA_ATTRIBUTES` (left None): the config, the
+    model state and attention groups, and each micro-batch's ``query_start_loc`` /
+    ``seq_lens`` buffers (``prepare`` rebases the micro-batch onto them).
+
+    Raises:
+        ValueError: decode context parallelism (vLLM does not micro-batch it).
+    """
+    import torch
+
+    parallel = vllm_config.parallel_config
+    if parallel.decode_context_parallel_size > 1:
+        raise ValueError(
+            "micro-batch overlap with decode_context_parallel_size=1 expected, got "
+            f"{parallel.decode_context_parallel_size}"
+        )
+    count = parallel.num_ubatches
+    runner.vllm_config, runner.parallel_config = vllm_config, parallel
+    runner.num_ubatches = count
+    runner.dcp_size, runner.dcp_rank = 1, 0
+    runner.cp_interleave = parallel.cp_kv_cache_interleave_size
+    runner.device, runner.model_state = device, model_state
+    runner.attn_groups, runner.kv_cache_config = attn_groups, kv_cache_config
+
+    def buffers(size: int) -> list[Any]:
+        return [torch.zeros(size, dtype=torch.int32, device=device) for _ in range(count)]
+
+    runner.ubatch_query_start_loc = buffers(max_num_reqs + 1)
+    runner.ubatch_seq_lens = buffers(max_num_reqs)
+    runner.ubatch_dcp_local_seq_lens = [None] * count
+    for name in V2_UBATCH_RUNNER_CUDA_ATTRIBUTES:
+        setattr(runner, name, None)
 
 
 def warmup_and_capture(runner: Any, *args: Any, **kwargs: Any) -> Any:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from vllm.logger import init_logger
 
 from npu_vllm_bridge.settings import PREFIX
+from npu_vllm_bridge.vllm_seam import dbo_unsupported_features
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,7 +61,7 @@ def hold_micro_batching(vllm_config: VllmConfig) -> bool:
             "data-parallel ranks of a MoE model (data_parallel_size=1 here): no step will split"
         )
     logger.info(
-        f"{PREFIX}: micro-batch overlap (%s) runs in the bridge's micro-batch wrapper; "
+        f"{PREFIX}: micro-batch overlap (%s) runs on the bridge's micro-batch runner; "
         "split thresholds: %d decode tokens, %d tokens with a prefill",
         "enable_dbo" if additional[HELD_KEY]["enable_dbo"] else "ubatch_size",
         parallel.dbo_decode_token_threshold,
@@ -82,11 +83,29 @@ def restore_micro_batching(vllm_config: VllmConfig) -> bool:
 
 
 def refuse_micro_batching_options(vllm_config: VllmConfig) -> None:
-    """Raise ``ValueError`` for what the bridge does not micro-batch: pipeline stages,
-    speculative decoding, context parallelism, multimodal models (their positions and
-    embeddings split otherwise), vLLM's Model Runner V2."""
-    import vllm.envs as envs
+    """Raise ``ValueError`` for what the bridge does not micro-batch.
 
+    On Model Runner V2 (vLLM runs DBO there only with ``VLLM_USE_V2_MODEL_RUNNER=1``;
+    otherwise it picks V1), what vLLM's V2 runner refuses
+    (``VllmConfig._get_dbo_unsupported_features``: speculative decoding, LoRA, pipeline
+    stages, context parallelism, multimodal, hybrid and encoder-only models, PIECEWISE
+    graphs); vLLM's own check runs only while DBO is on, and the platform holds it off.
+    On V1: pipeline stages, speculative decoding, context parallelism, multimodal
+    models (their positions and embeddings split otherwise)."""
+    if vllm_config.use_v2_model_runner:
+        blockers = dbo_unsupported_features(vllm_config)
+        runner = "Model Runner V2"
+    else:
+        blockers = _v1_blockers(vllm_config)
+        runner = "Model Runner V1"
+    if blockers:
+        raise ValueError(
+            f"{PREFIX} runs micro-batch overlap (enable_dbo / ubatch_size) on {runner} "
+            f"without {', '.join(blockers)}; got them together: turn one or the other off"
+        )
+
+
+def _v1_blockers(vllm_config: VllmConfig) -> list[str]:
     parallel = vllm_config.parallel_config
     model_config = vllm_config.model_config
     blockers = []
@@ -98,10 +117,4 @@ def refuse_micro_batching_options(vllm_config: VllmConfig) -> None:
         blockers.append("context parallelism")
     if model_config is not None and model_config.is_multimodal_model:
         blockers.append(f"the multimodal model {model_config.model}")
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        blockers.append("Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)")
-    if blockers:
-        raise ValueError(
-            f"{PREFIX} does not run micro-batch overlap (enable_dbo / ubatch_size) with "
-            f"{', '.join(blockers)}; turn one or the other off"
-        )
+    return blockers

@@ -97,6 +97,7 @@ _TOKEN_INPUTS = ("input_ids", "positions", "inputs_embeds")
 class _SplitStep:
     """What the micro-batch threads of one split forward read."""
 
+    runnable: Callable[..., Any]  # the model
     contexts: list[ForwardContext]  # one per micro-batch
     names: tuple[str, ...]  # the split inputs' keyword names, in order
     other_kwargs: dict[str, Any]  # the rest, passed to every micro-batch as given
@@ -203,43 +204,34 @@ def micro_batch_collective() -> Iterator[None]:
     running.hand_over()
 
 
-class BridgeUBatchWrapper(RunnableProxy):
-    """The model, run as vLLM's micro-batches where vLLM splits a step.
+class SplitForwards:
+    """The forwards vLLM split into micro-batches, of one model: each micro-batch on its
+    thread (eagerly), or one graph of all of them per (batch key, split). V1's
+    :class:`BridgeUBatchWrapper` and V2's micro-batch runner (``graphs/v2_ubatch.py``)
+    both run their split steps through one of these.
 
     Args:
-        runnable: the model.
         vllm_config: vLLM's config (``parallel_config.num_ubatches`` micro-batches).
-        full_graphs: capture FULL graphs (split steps: one graph of all micro-batches
-            per batch size and split; other steps: the bridge's FULL graph wrapper).
         num_attention_layers: attention tasks one micro-batch records (checked at
             each capture, times the micro-batches); ``None`` to skip the check.
         graph_backend: npu-graphs backend name; default: the current platform's.
+        name: the model's name, in logs and errors.
 
     Attributes:
-        counters: its split steps, micro-batched graphs and their replays (the unsplit
-            steps count in ``inner``'s, a graph wrapper of its own).
+        counters: the split steps, captures and replays it counted (``split_*``, and
+            its replays and captures in ``replayed_steps`` / ``captured``).
     """
 
     def __init__(
         self,
-        runnable: Callable[..., Any],
         vllm_config: VllmConfig,
-        full_graphs: bool,
         num_attention_layers: int | None = None,
         graph_backend: str | None = None,
+        name: str = "model",
     ) -> None:
-        self.runnable = runnable
         self.vllm_config = vllm_config
         self.num_micro_batches = vllm_config.parallel_config.num_ubatches
         backend = get_backend(graph_backend or graph_backend_name())
-        self.full_graphs = full_graphs
-        self.inner = (
-            BridgeGraphWrapper(
-                runnable, vllm_config, CUDAGraphMode.FULL, num_attention_layers, backend.name
-            )
-            if full_graphs
-            else None
-        )
         expected = (
             None if num_attention_layers is None else num_attention_layers * self.num_micro_batches
         )
@@ -249,76 +241,83 @@ class BridgeUBatchWrapper(RunnableProxy):
             backend=backend,
             mode=RuntimeMode.FULL,
             tasks=self.tasks,
-            name=f"{type(runnable).__name__}[micro-batched FULL]",
+            name=f"{name}[micro-batched FULL]",
         )
         self.capture_on_first_use = current_settings().capture_on_first_use
         self.counters = GraphCounters()
         self._step: _SplitStep | None = None
-        track_wrapper(self)
+        self._captured_inputs: dict[Any, tuple[torch.Tensor, ...]] = {}
         patched = install_micro_batch_ids()
         logger.debug("vLLM modules reading the bridge's micro-batch ids: %s", patched)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not is_forward_context_available():
-            return self.runnable(*args, **kwargs)
-        context = get_forward_context()
-        slices = context.ubatch_slices
-        if slices is None:
-            whole = self.inner if self.inner is not None else self.runnable
-            return whole(*args, **kwargs)
-        if args:
-            raise TypeError(
-                f"{PREFIX}: a micro-batched forward takes the model's inputs by keyword "
-                f"(as vLLM's model runner passes them), got {len(args)} positional"
-            )
-        return self._run_split(context, slices, kwargs)
-
-    # -- a split step -------------------------------------------------------------------
-    def _run_split(self, context: ForwardContext, slices: list, kwargs: dict) -> Any:
-        splits = tuple(int(s.num_tokens) for s in slices)  # vLLM may give numpy ints
-        inputs, step = self._split_inputs(context, slices, kwargs)
+    def count_step(self, splits: tuple[int, ...], contexts: list[ForwardContext]) -> None:
+        """One more split step (a forward vLLM split, however it runs)."""
         counters = self.counters
         counters.split_steps += 1
         counters.split_unequal_steps += len(set(splits)) > 1
-        decode = all(is_decode_step(md) for md in context.attn_metadata or [None])
-        if decode:
+        if all(is_decode_step(context.attn_metadata) for context in contexts):
             counters.split_decode_steps += 1
         else:
             counters.split_prefill_steps += 1
-        key = context.batch_descriptor
-        full = self.full_graphs and context.cudagraph_runtime_mode == CUDAGraphMode.FULL
-        if not full and self.full_graphs:
-            counters.eager_steps += 1
+
+    def forward(
+        self,
+        runnable: Callable[..., Any],
+        slices: list,
+        contexts: list[ForwardContext],
+        kwargs: dict[str, Any],
+        key: Any = None,
+    ) -> Any:
+        """``runnable(**kwargs)`` as the micro-batches ``slices`` (vLLM's ``UBatchSlice``
+        s), micro-batch ``i`` under forward context ``contexts[i]``: eagerly without
+        ``key``; else replayed from the graph of (``key``, split), captured first if
+        there is none (the tasks then take each context's attention metadata)."""
+        splits = tuple(int(s.num_tokens) for s in slices)  # vLLM may give numpy ints
+        inputs, step = self._split_inputs(runnable, contexts, slices, kwargs)
+        if key is not None and self.runner.has_graph(key, splits):
+            return self.replay(key, splits, [c.attn_metadata for c in contexts], inputs)
         self._step = step
         try:
-            with override_forward_context(context):  # the threads set theirs; restored after
-                if not full:
-                    return self.runner(inputs, splits)  # eagerly (no graph dispatch)
+            with override_forward_context(None):  # the threads set theirs; restored after
                 if key is None:
-                    raise ValueError(f"{PREFIX}: FULL micro-batched dispatch without a batch key")
-                if self.runner.has_graph(key, splits):
-                    return self._replay(context, key, splits, inputs)
+                    return self.runner(inputs, splits)  # eagerly (no graph dispatch)
                 return self._capture(key, splits, inputs)
         finally:
             self._step = None
-            counters.split_forwards_run += step.runs
-            counters.split_yields += step.yields
+            self.counters.split_forwards_run += step.runs
+            self.counters.split_yields += step.yields
 
-    def _replay(self, context: ForwardContext, key: Any, splits: tuple, inputs: tuple) -> Any:
-        """Replay the graph of both micro-batches, each micro-batch's attention tasks
-        brought to its own plan: before the replay on host graphs; on the NPU after the
-        replay is launched (each task waits on the device for its update)."""
+    def replay(
+        self,
+        key: Any,
+        splits: tuple[int, ...],
+        attn_metadata: list[Any],
+        inputs: tuple[torch.Tensor, ...] | None = None,
+    ) -> Any:
+        """Replay the graph of all micro-batches of ``splits`` under ``key``, micro-batch
+        ``i``'s attention tasks brought to its own plan ``attn_metadata[i]`` (a
+        ``{layer_name: metadata}``): before the replay on host graphs; on the NPU after
+        the replay is launched (each task waits on the device for its update).
+        ``inputs``: the step's split inputs; default: the buffers the capture read.
+
+        Raises:
+            KeyError: no graph of ``splits`` under ``key``.
+            ValueError: not one metadata per micro-batch.
+        """
+        graph_key = self.runner.graph_key(key, splits)
+        if inputs is None:
+            inputs = self._captured_inputs[graph_key]
+        updated = bool(self.tasks.num_tasks(graph_key))
+        steps = [per_layer_metadata(md) if updated else None for md in attn_metadata]
         counters = self.counters
         counters.replayed_steps += 1
         counters.split_replayed_steps += 1
-        updated = bool(self.tasks.num_tasks(self.runner.graph_key(key, splits)))
-        steps = [per_layer_metadata(md) if updated else None for md in context.attn_metadata]
         counters.task_updates += updated
         counters.split_task_updates += updated
         return self.runner.replay_step(key, splits, inputs, steps)
 
     def _capture(self, key: Any, splits: tuple, inputs: tuple) -> Any:
-        """Capture both micro-batches of ``splits`` as one graph: at start-up, or
+        """Capture all micro-batches of ``splits`` as one graph: at start-up, or
         (``capture_on_first_use``) at the first step of the key and split."""
         at_start_up = monitor.cudagraph_capturing_enabled
         if not self.capture_on_first_use:
@@ -326,6 +325,7 @@ class BridgeUBatchWrapper(RunnableProxy):
         start = time.perf_counter()
         with graph_dispatch(RuntimeMode.FULL, key):
             outputs = self.runner(inputs, splits)
+        self._captured_inputs[self.runner.graph_key(key, splits)] = inputs
         counters = self.counters
         counters.captured += 1
         counters.split_captured += 1
@@ -337,7 +337,11 @@ class BridgeUBatchWrapper(RunnableProxy):
         return outputs
 
     def _split_inputs(
-        self, context: ForwardContext, slices: list, kwargs: dict
+        self,
+        runnable: Callable[..., Any],
+        contexts: list[ForwardContext],
+        slices: list,
+        kwargs: dict,
     ) -> tuple[tuple[torch.Tensor, ...], _SplitStep]:
         """The token-indexed inputs to split (a tuple of tensors) and the step's state."""
         if kwargs.get("intermediate_tensors") is not None:
@@ -352,7 +356,8 @@ class BridgeUBatchWrapper(RunnableProxy):
         inputs = tuple(kwargs[n] for n in names)
         other = {k: v for k, v in kwargs.items() if k not in names}
         step = _SplitStep(
-            contexts=self._micro_batch_contexts(context, slices),
+            runnable=runnable,
+            contexts=contexts,
             names=names,
             other_kwargs=other,
             token_offsets=tuple(int(piece.token_slice.start or 0) for piece in slices),
@@ -361,6 +366,101 @@ class BridgeUBatchWrapper(RunnableProxy):
             num_threads=torch.get_num_threads(),
         )
         return inputs, step
+
+    def _run_micro_batch(self, parts: tuple[torch.Tensor, ...], ctx: MicroBatchContext) -> Any:
+        """One micro-batch's forward, on its thread (MicroBatchRunner's runnable)."""
+        step = self._step
+        assert step is not None, "micro-batch run outside a split step"
+        running = _Running(ctx, step, step.contexts[ctx.index])
+        _THREAD.running = running
+        step.runs += ctx.index == 0
+        try:
+            running.resume()
+            if torch.get_num_threads() != step.num_threads:
+                torch.set_num_threads(step.num_threads)
+            kwargs = dict(step.other_kwargs)
+            kwargs.update(zip(step.names, parts))
+            with (
+                torch.inference_mode(step.inference_mode),
+                torch.set_grad_enabled(step.grad_enabled),
+            ):
+                return step.runnable(**kwargs)
+        finally:
+            _THREAD.running = None
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def has_graph(self, key: Any, splits: Any) -> bool:
+        return self.runner.has_graph(key, splits)
+
+    def clear(self) -> None:
+        """Drop every graph of the split steps and its tasks."""
+        self.runner.reset()
+        self._captured_inputs.clear()
+
+
+class BridgeUBatchWrapper(RunnableProxy):
+    """The model, run as vLLM's micro-batches where vLLM splits a step (Model Runner V1).
+
+    Args:
+        runnable: the model.
+        vllm_config: vLLM's config (``parallel_config.num_ubatches`` micro-batches).
+        full_graphs: capture FULL graphs (split steps: one graph of all micro-batches
+            per batch size and split; other steps: the bridge's FULL graph wrapper).
+        num_attention_layers: attention tasks one micro-batch records (checked at
+            each capture, times the micro-batches); ``None`` to skip the check.
+        graph_backend: npu-graphs backend name; default: the current platform's.
+    """
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        vllm_config: VllmConfig,
+        full_graphs: bool,
+        num_attention_layers: int | None = None,
+        graph_backend: str | None = None,
+    ) -> None:
+        self.runnable = runnable
+        self.vllm_config = vllm_config
+        backend = graph_backend or graph_backend_name()
+        self.full_graphs = full_graphs
+        self.inner = (
+            BridgeGraphWrapper(
+                runnable, vllm_config, CUDAGraphMode.FULL, num_attention_layers, backend
+            )
+            if full_graphs
+            else None
+        )
+        self.split = SplitForwards(
+            vllm_config, num_attention_layers, backend, name=type(runnable).__name__
+        )
+        self.num_micro_batches = self.split.num_micro_batches
+        self.runner, self.tasks = self.split.runner, self.split.tasks
+        self.counters = self.split.counters  # its split steps (the inner wrapper counts its own)
+        track_wrapper(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not is_forward_context_available():
+            return self.runnable(*args, **kwargs)
+        context = get_forward_context()
+        slices = context.ubatch_slices
+        if slices is None:
+            whole = self.inner if self.inner is not None else self.runnable
+            return whole(*args, **kwargs)
+        if args:
+            raise TypeError(
+                f"{PREFIX}: a micro-batched forward takes the model's inputs by keyword "
+                f"(as vLLM's model runner passes them), got {len(args)} positional"
+            )
+        contexts = self._micro_batch_contexts(context, slices)
+        self.split.count_step(tuple(int(s.num_tokens) for s in slices), contexts)
+        key = context.batch_descriptor
+        full = self.full_graphs and context.cudagraph_runtime_mode == CUDAGraphMode.FULL
+        if not full:
+            self.counters.eager_steps += self.full_graphs
+            return self.split.forward(self.runnable, slices, contexts, kwargs)
+        if key is None:
+            raise ValueError(f"{PREFIX}: FULL micro-batched dispatch without a batch key")
+        return self.split.forward(self.runnable, slices, contexts, kwargs, key=key)
 
     def _micro_batch_contexts(self, context: ForwardContext, slices: list) -> list[ForwardContext]:
         """One forward context per micro-batch: its attention metadata, slot mapping and
@@ -392,34 +492,13 @@ class BridgeUBatchWrapper(RunnableProxy):
             )
         return contexts
 
-    def _run_micro_batch(self, parts: tuple[torch.Tensor, ...], ctx: MicroBatchContext) -> Any:
-        """One micro-batch's forward, on its thread (MicroBatchRunner's runnable)."""
-        step = self._step
-        assert step is not None, "micro-batch run outside a split step"
-        running = _Running(ctx, step, step.contexts[ctx.index])
-        _THREAD.running = running
-        step.runs += ctx.index == 0
-        try:
-            running.resume()
-            if torch.get_num_threads() != step.num_threads:
-                torch.set_num_threads(step.num_threads)
-            kwargs = dict(step.other_kwargs)
-            kwargs.update(zip(step.names, parts))
-            with (
-                torch.inference_mode(step.inference_mode),
-                torch.set_grad_enabled(step.grad_enabled),
-            ):
-                return self.runnable(**kwargs)
-        finally:
-            _THREAD.running = None
-
     # -- bookkeeping ----------------------------------------------------------------------
     def has_graph(self, key: Any, splits: Any = None) -> bool:
         if splits is None:
             return self.inner is not None and self.inner.has_graph(key)
-        return self.runner.has_graph(key, splits)
+        return self.split.has_graph(key, splits)
 
     def clear_graphs(self) -> None:
-        self.runner.reset()
+        self.split.clear()
         if self.inner is not None:
             self.inner.clear_graphs()

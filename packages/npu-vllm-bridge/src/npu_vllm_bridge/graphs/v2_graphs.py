@@ -18,9 +18,16 @@ replaces ``capture``, ``dispatch`` and ``run_fullgraph``:
   step then fills), and PIECEWISE pieces capture themselves at their first step. Under
   vLLM's memory profiling, the largest and smallest descriptor of each mode are
   captured and the rest estimated from them (``memory_estimate.py``).
-* ``dispatch``: vLLM's; steps that run without graphs are counted (in the graph
+* ``dispatch``: vLLM's; the model runner's dispatch agreed across data-parallel ranks
+  goes through ``dispatch_agreed`` (``graphs/v2_runner.py``), so that a descriptor is
+  captured at first use only once every rank agreed on it; steps that run without
+  graphs are counted (in the graph
   component's counters, ``full.counters``), a decode step larger than the largest graph
   logged once.
+* a split descriptor (micro-batch overlap, ``num_ubatches`` > 1) is captured and
+  replayed by the micro-batch runner (``graphs/v2_ubatch.py``): one graph of all
+  micro-batches, each micro-batch's tasks brought to its own plan, its outputs copied
+  into the persistent hidden states;
 * ``run_fullgraph(desc)``: the step's ``{layer_name: attn_metadata}`` (left by the model
   runner in :attr:`BridgeModelGraphManager.step_attn_metadata`, from the model state's
   ``prepare_attn``) goes to ``FullGraphs.replay``, which replays with the tasks brought
@@ -32,6 +39,8 @@ The model runners install the class where vLLM builds its manager (see
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,6 +79,10 @@ class NpuGraphsCapture(CudaGraphManager):
     step_attn_metadata: dict[str, Any] | None = None
     capture_on_first_use: bool = False
     profiled_bytes: int = 0  # the estimate of vLLM's memory profiling capture
+    _agreeing: bool = False  # inside dispatch_agreed's agreement
+    # What each capture (its warm-up and recorded forwards) runs inside; host mode's
+    # runner sets it (``host/runner_v2.py``).
+    around_capture: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     _create_forward_fn: CreateForwardFn | None = None
 
     def set_up_graphs(
@@ -136,10 +149,21 @@ class NpuGraphsCapture(CudaGraphManager):
     def _capture_one(
         self, create_forward_fn: CreateForwardFn, desc: Any, at_first_use: bool = False
     ) -> None:
+        with self.around_capture():
+            self._warm_up_and_capture(create_forward_fn, desc, at_first_use)
+
+    def _warm_up_and_capture(
+        self, create_forward_fn: CreateForwardFn, desc: Any, at_first_use: bool
+    ) -> None:
         warmup = create_forward_fn(desc, warmup=True)
         warmup(CUDAGraphMode.NONE)  # also allocates the persistent outputs, outside graphs
         if desc.cg_mode == CUDAGraphMode.PIECEWISE:
             warmup(CUDAGraphMode.PIECEWISE)  # the compiled model's pieces capture themselves
+            return
+        if desc.num_ubatches > 1:  # a split step: one graph of its micro-batches
+            with self.ubatch_runner.capturing(desc):
+                create_forward_fn(desc, warmup=False)(CUDAGraphMode.NONE)
+            self.graphs[desc] = self.ubatch_runner.graph_key(desc)
             return
         self.full.capture(desc, create_forward_fn(desc, warmup=False), at_first_use=at_first_use)
         self.graphs[desc] = self.full.entry(desc)
@@ -156,13 +180,37 @@ class NpuGraphsCapture(CudaGraphManager):
         FULL one not captured yet is captured now (``capture_on_first_use``); a step
         without graphs is counted."""
         desc = super().dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
-        if not graphs_captured(self):
-            return desc
+        if graphs_captured(self) and not self._agreeing:
+            self._dispatched(desc, num_tokens, uniform_token_count)
+        return desc
+
+    def dispatch_agreed(
+        self,
+        agree: Callable[[], tuple[BatchExecutionDescriptor, Any]],
+        num_tokens: int,
+        uniform_token_count: int | None,
+    ) -> tuple[BatchExecutionDescriptor, Any]:
+        """vLLM's dispatch agreed across data-parallel ranks (``agree()``: its
+        ``dispatch_cg_and_sync_dp``, whose result it returns). The dispatches inside it
+        are wishes (each rank's own, then the ones ranks may drop); only the descriptor
+        agreed on is captured at first use or counted, after the agreement, on every
+        rank alike: a capture runs the model's collectives, which must pair up."""
+        self._agreeing = True
+        try:
+            desc, sync = agree()
+        finally:
+            self._agreeing = False
+        if graphs_captured(self):
+            self._dispatched(desc, num_tokens, uniform_token_count)
+        return desc, sync
+
+    def _dispatched(
+        self, desc: BatchExecutionDescriptor, num_tokens: int, uniform_token_count: int | None
+    ) -> None:
         if desc.cg_mode == CUDAGraphMode.FULL and desc not in self.graphs:
             self._capture_at_first_use(desc)
         else:
             self._count_dispatch(desc, num_tokens, uniform_token_count)
-        return desc
 
     def _capture_at_first_use(self, desc: BatchExecutionDescriptor) -> None:
         if self._create_forward_fn is None:
@@ -178,12 +226,26 @@ class NpuGraphsCapture(CudaGraphManager):
             ValueError: no step metadata was left since the last replay.
         """
         attn_metadata, self.step_attn_metadata = self.step_attn_metadata, None
+        if desc.num_ubatches > 1:
+            self._replay_micro_batches(desc)
+            return
         if attn_metadata is None:
             raise ValueError(
                 f"FULL graph replay of {desc} without the step's attention metadata: "
                 "the model state's prepare_attn did not run for this step"
             )
         self.full.replay(desc, attn_metadata)
+
+    def _replay_micro_batches(self, desc: BatchExecutionDescriptor) -> None:
+        """Replay the graph of the step's micro-batches (each its tasks brought to its
+        own plan, by the micro-batch runner) into the persistent outputs vLLM reads."""
+        if self.hidden_states is None or not self.is_last_pp_rank:
+            raise ValueError(
+                f"micro-batched FULL graph {desc}: the persistent hidden states of the last "
+                "pipeline stage expected (vLLM micro-batches no other)"
+            )
+        outputs = self.ubatch_runner.replay(desc)
+        self.hidden_states[: desc.num_tokens].copy_(outputs)
 
     def _count_dispatch(
         self, desc: BatchExecutionDescriptor, num_tokens: int, uniform_token_count: int | None

@@ -11,7 +11,9 @@ before a V2 runner class, touches those two points and nothing else:
   (``spec_decode.target_dependent_ar.speculator``, ``spec_decode.multi_module_mtp.speculator``),
   by which their ``init_cudagraph_manager`` builds theirs, means
   :class:`~npu_vllm_bridge.graphs.v2_draft_graphs.BridgeSpeculatorGraphManager`
-  (:func:`bridge_graph_manager`);
+  (:func:`bridge_graph_manager`); with micro-batch overlap, the name ``UBatchRunner``
+  of ``vllm.v1.worker.gpu.ubatch_utils``, by which ``maybe_build_ubatch_runner`` builds
+  the micro-batch runner, means :class:`~npu_vllm_bridge.graphs.v2_ubatch.BridgeUBatchRunner`;
 * ``load_model``: the model state's ``prepare_attn`` (an instance attribute over vLLM's
   method) leaves each step's attention metadata with that manager, whose FULL replays
   update the attention tasks with it (:func:`leave_attn_metadata_with_graphs`); the
@@ -26,6 +28,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
+
 from npu_vllm_bridge.graphs.counters import GraphCounters, RunnerCounters
 from npu_vllm_bridge.graphs.v2_draft_graphs import (
     DRAFT_MANAGERS,
@@ -33,12 +37,15 @@ from npu_vllm_bridge.graphs.v2_draft_graphs import (
     leave_draft_metadata_with_graphs,
 )
 from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager, NpuGraphsCapture
+from npu_vllm_bridge.graphs.v2_ubatch import BridgeUBatchRunner
 from npu_vllm_bridge.graphs.wrapper import wrappers_of
 from npu_vllm_bridge.vllm_seam import (
+    V2_DISPATCH_CG_AND_SYNC_DP,
     V2_MODEL_GRAPH_MANAGER,
     V2_MODEL_STATE_PREPARE_ATTN,
     V2_MTP_SPECULATOR_GRAPH_MANAGER,
     V2_TDAR_SPECULATOR_GRAPH_MANAGER,
+    V2_UBATCH_RUNNER,
     swap_module_attribute,
     wrap_instance_method,
 )
@@ -82,13 +89,43 @@ class GraphManagerHook(RunnerCounters):
         with bridge_graph_manager():
             super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
 
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's, its dispatch agreed across DP ranks before a graph is captured
+        (:func:`dispatch_then_capture`)."""
+        with swap_module_attribute(V2_DISPATCH_CG_AND_SYNC_DP, dispatch_then_capture):
+            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+
+
+def dispatch_then_capture(
+    cudagraph_manager: Any,
+    num_reqs: int,
+    num_tokens: int,
+    uniform_token_count: int | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """vLLM's ``dispatch_cg_and_sync_dp`` (its arguments and result), through the bridge's
+    manager's ``dispatch_agreed``: a FULL graph is captured at first use once the DP
+    ranks agreed on its descriptor, on all of them."""
+
+    def agreement() -> Any:
+        return dispatch_cg_and_sync_dp(
+            cudagraph_manager, num_reqs, num_tokens, uniform_token_count, *args, **kwargs
+        )
+
+    if not isinstance(cudagraph_manager, NpuGraphsCapture):
+        return agreement()
+    return cudagraph_manager.dispatch_agreed(agreement, num_tokens, uniform_token_count)
+
 
 @contextlib.contextmanager
 def bridge_graph_manager() -> Iterator[None]:
     """In the enclosed block, vLLM's V2 runner builds a :class:`BridgeModelGraphManager`
-    and its EAGLE / MTP drafters build :class:`BridgeSpeculatorGraphManager` s."""
+    and, with micro-batch overlap, a :class:`BridgeUBatchRunner`; its EAGLE / MTP
+    drafters build :class:`BridgeSpeculatorGraphManager` s."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(swap_module_attribute(V2_MODEL_GRAPH_MANAGER, BridgeModelGraphManager))
+        stack.enter_context(swap_module_attribute(V2_UBATCH_RUNNER, BridgeUBatchRunner))
         for entry in DRAFTER_MANAGERS:
             stack.enter_context(swap_module_attribute(entry, BridgeSpeculatorGraphManager))
         yield

@@ -9,14 +9,16 @@ of what the NPU's V2 runner adds come from ``bridge_runner.py``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from vllm.config import CompilationMode
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
 
+from npu_vllm_bridge.graphs.v2_graphs import NpuGraphsCapture
 from npu_vllm_bridge.host.moe import moe_layers_through_custom_op
 from npu_vllm_bridge.host.v2_kernels import register_pointer_tensors
-from npu_vllm_bridge.vllm_seam import pcp_local_block_tables
+from npu_vllm_bridge.vllm_seam import dp_metadata_make_inside, pcp_local_block_tables
 from npu_vllm_bridge.worker.bridge_runner import BridgeModelRunnerV2
 
 
@@ -38,9 +40,24 @@ class HostModelRunnerV2(BridgeModelRunnerV2, CPUModelRunnerV2):
         """vLLM's, building the bridge's graph manager; the block tables' data
         pointers are registered for the PyTorch block-table kernels."""
         super().initialize_kv_cache(*args, **kwargs)
+        if isinstance(self.cudagraph_manager, NpuGraphsCapture):
+            dp_metadata_unrecorded_in_captures(self.cudagraph_manager)
         tables = self.block_tables
         register_pointer_tensors([table.gpu for table in tables.block_tables])
         register_pointer_tensors(tables.input_block_tables)
         pcp_tables = pcp_local_block_tables(self.pcp_manager)
         if pcp_tables is not None:  # prefill context parallel: each rank's local rows
             register_pointer_tensors(pcp_tables)
+
+
+def dp_metadata_unrecorded_in_captures(manager: NpuGraphsCapture) -> None:
+    """In ``manager``'s captures, vLLM's ``DPMetadata.make`` runs unrecorded.
+
+    vLLM's V2 capture forward enters its forward context inside the capture; with
+    data parallelism that builds the DP metadata, which asserts on a value of the CPU
+    tensor of token counts. On a device graph that is a host op beside the capture; a
+    host graph records every CPU op and refuses one that hands a value back. The
+    metadata only wraps the tensor, so no replay needs it redone."""
+    from npu_graphs.backends.host import HostGraphBackend
+
+    manager.around_capture = functools.partial(dp_metadata_make_inside, HostGraphBackend.unrecorded)
