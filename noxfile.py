@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import nox
+import nox.command
 
 ROOT = Path(__file__).parent
 nox.options.default_venv_backend = "venv"
@@ -253,9 +254,19 @@ def vllm032(session: nox.Session) -> None:
     if session.posargs:
         _pytest(session)
         return
-    _pytest(session, str(Package.BRIDGE.path / "tests"), default_args=PACKAGE_TEST_ARGS)
-    _pytest(session, "tests-conformance")
-    _pytest(session, "tests-integration", default_args=INTEGRATION_ARGS)
+    # Each runs whatever came before it (as the three sessions did); the lane fails after.
+    failed = []
+    for path, args in (
+        (str(Package.BRIDGE.path / "tests"), PACKAGE_TEST_ARGS),
+        ("tests-conformance", ()),
+        ("tests-integration", INTEGRATION_ARGS),
+    ):
+        try:
+            _pytest(session, path, default_args=args)
+        except nox.command.CommandFailed:
+            failed.append(path)
+    if failed:
+        session.error(f"tests failed in {', '.join(failed)}")
 
 
 @nox.session
