@@ -16,6 +16,7 @@ imported. Nothing in the packages imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.abc
@@ -23,6 +24,7 @@ import importlib.util
 import os
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ WHEEL_DIR_ENV = "TORCH_NPU_WHEEL_DIR"
 DEFAULT_WHEEL_DIR = HERE.parent / ".pytest_cache" / "d" / "torch-npu-wheel"  # pytest's cache
 HOST_PLATFORM_MODULE = "npu_vllm_bridge.host.platform"
 HOST_WORKER_MODULE = "npu_vllm_bridge.host.worker"
+HOST_RUNNER_V2_MODULE = "npu_vllm_bridge.host.runner_v2"
 NPU_COMMUNICATOR_MODULE = "npu_vllm_bridge.worker.npu_communicator"
 # The NPU platform's device communicator (platforms/npu.py's NPU_COMMUNICATOR), which
 # that module cannot be imported to read without an NPU.
@@ -138,6 +141,7 @@ def install_simulated_npu() -> Simulation:
     # here, inside vLLM's own import of the platform, would be circular).
     after_import(HOST_WORKER_MODULE, lambda: _instrument_worker(_SIMULATION))
     after_import(NPU_COMMUNICATOR_MODULE, lambda: _count_communicator_calls(_SIMULATION))
+    after_import(HOST_RUNNER_V2_MODULE, lambda: _host_work_unrecorded(_SIMULATION))
     fault = os.environ.get(FAULT_ENV)
     if fault:
         from npu_sim_faults import install_fault
@@ -163,6 +167,23 @@ def _instrument_worker(simulation: Simulation) -> None:
 
     HostWorker.npu_sim_report = npu_sim_report
     _count_step_synchronizes(simulation)
+
+
+def _host_work_unrecorded(simulation: Simulation) -> None:
+    """Host-side work that host mode keeps out of its host graphs (vLLM's DP metadata in
+    a V2 capture) stays out of the stand-in's captures too: every tensor of the
+    simulation is a CPU tensor, so the stand-in records what an ``NPUGraph`` leaves to
+    the host."""
+    from npu_vllm_bridge.host import runner_v2
+
+    host_only = runner_v2.unrecorded_host_work
+
+    @contextlib.contextmanager
+    def unrecorded() -> Iterator[None]:
+        with host_only(), simulation.runtime.unrecorded():
+            yield
+
+    runner_v2.unrecorded_host_work = unrecorded
 
 
 def _count_communicator_calls(simulation: Simulation) -> None:

@@ -157,7 +157,8 @@ def tiny_moe(tmp_path_factory) -> Path:
 @pytest.mark.npu_sim
 @pytest.mark.slow
 def test_dp2_moe_with_micro_batches_in_full_graphs(tiny_moe, tmp_path):
-    """Two DP ranks of a tiny Qwen3-MoE (``dp_ranks.py``: 8 experts, 2 per token), each an
+    """On Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``, as vLLM asks for DBO there).
+    Two DP ranks of a tiny Qwen3-MoE (``dp_ranks.py``: 8 experts, 2 per token), each an
     engine process with its worker process, DBO from 2 decode tokens (4 with a prefill),
     FULL_DECODE_ONLY graphs of 1 to 8 tokens, float16: transformers' tokens; each rank
     captures graphs of both micro-batches and replays every split decode step from one,
@@ -170,7 +171,9 @@ def test_dp2_moe_with_micro_batches_in_full_graphs(tiny_moe, tmp_path):
         *DBO_ARGS, "--mode", "FULL_DECODE_ONLY", "--capture-sizes", "1", "2", "3", "4", "8",
         "--max-model-len", "256",
     ]  # fmt: skip
-    status, tokens, report, output = run_parallel(tiny_moe, PROMPTS, max_tokens, tmp_path, args)
+    status, tokens, report, output = run_parallel(
+        tiny_moe, PROMPTS, max_tokens, tmp_path, args, runner="v2"
+    )
     assert status == 0, output[-4000:]
     assert_transformers_argmax(tiny_moe, PROMPTS, tokens, max_tokens)
     check_ranks_replayed(report, ranks=2)

@@ -10,10 +10,14 @@ recording of aten ops, so it cannot see the inductor C++ kernels of vLLM's CPU
 compile path: with piecewise graphs host mode keeps vLLM's compile path (Dynamo,
 split at attention) with the ``eager`` backend, and otherwise turns compilation off.
 
-vLLM's V1 model runner by default; with ``VLLM_USE_V2_MODEL_RUNNER=1``, Model Runner V2
-under Triton's interpreter, set up when vLLM loads this module (``host/triton_interpreter.py``).
+The model runner is vLLM's choice (``VllmConfig.use_v2_model_runner``). Without
+``VLLM_USE_V2_MODEL_RUNNER`` vLLM takes Model Runner V2 only where Triton has a backend,
+and Triton has none on a CPU, so host mode runs the V1 runner; with
+``VLLM_USE_V2_MODEL_RUNNER=1``, Model Runner V2 under Triton's interpreter, set up when
+vLLM loads this module (``host/triton_interpreter.py``).
 
-Micro-batch overlap (``--enable-dbo``) runs on data-parallel MoE models: the request is
+Micro-batch overlap (``--enable-dbo``) runs on data-parallel MoE models, on either
+runner (vLLM runs it on V2 only with ``VLLM_USE_V2_MODEL_RUNNER=1``): the request is
 held past ``CpuPlatform``'s switch-off and vLLM's all-to-all check, and restored in the
 worker (``graphs/ubatch_config.py``).
 """

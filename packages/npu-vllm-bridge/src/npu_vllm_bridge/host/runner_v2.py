@@ -9,6 +9,7 @@ of what the NPU's V2 runner adds come from ``bridge_runner.py``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -58,6 +59,11 @@ def dp_metadata_unrecorded_in_captures(manager: NpuGraphsCapture) -> None:
     tensor of token counts. On a device graph that is a host op beside the capture; a
     host graph records every CPU op and refuses one that hands a value back. The
     metadata only wraps the tensor, so no replay needs it redone."""
+    manager.around_capture = functools.partial(dp_metadata_make_inside, unrecorded_host_work)
+
+
+def unrecorded_host_work() -> contextlib.AbstractContextManager[None]:
+    """What host-side work inside a capture runs in: outside the host graph's recording."""
     from npu_graphs.backends.host import HostGraphBackend
 
-    manager.around_capture = functools.partial(dp_metadata_make_inside, HostGraphBackend.unrecorded)
+    return HostGraphBackend.unrecorded()
