@@ -5,7 +5,9 @@ model into micro-batches when every DP rank has enough tokens (its thresholds, a
 across ranks), builds one attention-metadata dict per micro-batch, and calls the model
 with the step's ``ubatch_slices`` in the forward context. Its ``UBatchWrapper`` is
 CUDA's (CUDA streams, SM control, ``torch.cuda.CUDAGraph``); :class:`BridgeUBatchWrapper`
-takes its place on npu-graphs' ``MicroBatchRunner``:
+takes its place, its split steps run by :class:`SplitForwards` on npu-graphs'
+``MicroBatchRunner`` (Model Runner V2's micro-batch runner, ``v2_ubatch.py``, runs its
+split steps through one too):
 
 * each micro-batch runs the model on its own thread with its own forward context (its
   attention metadata and data-parallel token counts), on the graph backend's streams
