@@ -254,7 +254,7 @@ def vllm032(session: nox.Session) -> None:
     if session.posargs:
         _pytest(session)
         return
-    # Each runs whatever came before it (as the three sessions did); the lane fails after.
+    # Each runs whatever failed before it (as the three sessions did); the lane fails after.
     failed = []
     for path, args in (
         (str(Package.BRIDGE.path / "tests"), PACKAGE_TEST_ARGS),

@@ -38,11 +38,30 @@ ENGINE = dict(
 # KV cache of each rank in the two-rank engines (tiny models, max_model_len 512).
 TWO_RANK_KV_CACHE_BYTES = 128 * 2**20
 
-# The real model (SmolLM2) at the sizes people serve it with; page size and token
-# budget are vLLM's own defaults rather than the small ones above.
+# An eager engine reserves no memory for graphs, so a fixed KV cache (thousands of tokens
+# of the tiny models) serves it as well as a share of host memory, which vLLM would warm
+# the model up to measure and then zero (about 4 GiB, seconds of each engine's start).
+# Engines with graphs size it from gpu_memory_utilization: the bridge's workers reserve
+# the graphs' profiled memory there first.
+EAGER_KV_CACHE_BYTES = 64 * 2**20
+
+# The real model (SmolLM2) at the sizes people serve it with; page size, token budget
+# and KV cache (a share of host memory) are vLLM's own defaults rather than the above.
 REAL_MODEL_ENGINE = dict(
-    max_model_len=2048, max_num_seqs=16, block_size=None, max_num_batched_tokens=None
+    max_model_len=2048,
+    max_num_seqs=16,
+    block_size=None,
+    max_num_batched_tokens=None,
+    kv_cache_memory_bytes=None,
 )
+
+
+def kv_cache_sized(engine: dict) -> dict:
+    """``engine`` (LLM keyword arguments), with ``EAGER_KV_CACHE_BYTES`` when it is eager
+    and names no ``kv_cache_memory_bytes`` (``None`` included) of its own."""
+    if not engine.get("enforce_eager") or "kv_cache_memory_bytes" in engine:
+        return engine
+    return {**engine, "kv_cache_memory_bytes": EAGER_KV_CACHE_BYTES}
 
 
 def run_engine(
@@ -59,7 +78,7 @@ def run_engine(
     ``bridge``, else vLLM's own CPU platform (CPU_ATTN); ``host_platform`` overrides
     attributes of the bridge's host platform; ``unset_env`` names variables removed
     from the engine's environment. Returns the runner's JSON."""
-    spec = {"engine": {**ENGINE, **engine}}
+    spec = {"engine": kv_cache_sized({**ENGINE, **engine})}
     return _run_spec(model, rounds, spec, bridge, tmp_path, host_platform, unset_env)
 
 
@@ -74,7 +93,7 @@ def run_engines(
 ) -> list[dict]:
     """``run_engine`` for several engines (``ENGINE`` updated by each of ``engines``),
     one after the other in one process (vLLM is imported once). Returns one result each."""
-    spec = {"engines": [{**ENGINE, **engine} for engine in engines]}
+    spec = {"engines": [kv_cache_sized({**ENGINE, **engine}) for engine in engines]}
     return _run_spec(model, rounds, spec, bridge, tmp_path, None, unset_env)["runs"]
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 from draft_checkpoints import write_eagle_draft
-from engines import VLLM_CPU_BACKENDS
+from engines import VLLM_CPU_BACKENDS, kv_cache_sized
 from mla_checkpoints import write_mtp_checkpoint
 
 # V1's CPU rejection sampler and EAGLE input kernels are vllm._C ops; on a vLLM built
@@ -154,14 +154,15 @@ def run_engines(
 ) -> dict[str, dict]:
     """Run ``engines`` ({name: LLM kwargs}) on ``model`` one after another in one
     ``runner`` subprocess (``spec_runner.py`` by default; host platform, ``env`` added
-    to the environment); their results by name."""
+    to the environment; eager engines on ``engines.kv_cache_sized``'s fixed KV cache);
+    their results by name."""
     # V1: graphs captured at start-up, as on the NPU: the verify and PIECEWISE sizes a few
     # prompts reach once each replay then (captured at first use, they would only record).
     spec = {
         "model": str(model),
         "prompts": prompts,
         "max_tokens": max_tokens,
-        "engines": engines,
+        "engines": {name: kv_cache_sized(options) for name, options in engines.items()},
         "host_platform": {"capture_on_first_use": capture_on_first_use},
     }
     spec_path.write_text(json.dumps(spec))
