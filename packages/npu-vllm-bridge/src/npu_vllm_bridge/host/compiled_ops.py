@@ -20,16 +20,19 @@ PyTorch function here:
 * the CPU MoE experts, ``prepack_moe_weight`` and ``cpu_fused_moe``
   (``moe_ops.py``).
 
-And two are avoided instead: ``rotary_embedding`` (vLLM's rotary layer calls it on CPU
-with custom ops on); :func:`avoid_missing_custom_ops` has vLLM use its PyTorch rotary
-embedding. And the packed-weight SGL GEMM (``convert_weight_packed``,
-``weight_packed_linear``), which vLLM's CPU linear dispatch picks for small bf16/fp16
-weights on AMX CPUs: :func:`avoid_missing_packed_gemm` sends those layers where vLLM
-sends every other layer of an empty build (it has no oneDNN either), to
-``torch.nn.functional.linear`` on the unpacked weight. A PyTorch version of the pair
-would have to rebuild vLLM's VNNI layout only to undo it at every call, and could at
-best match the unpacked linear that this path is. vLLM's own CPU attention backends are not among them: an empty build has
-no CPU platform of its own, so they cannot be selected.
+And two are avoided instead:
+
+* ``rotary_embedding`` (vLLM's rotary layer calls it on CPU with custom ops on):
+  :func:`avoid_missing_custom_ops` has vLLM use its PyTorch rotary embedding;
+* the packed-weight SGL GEMM (``convert_weight_packed``, ``weight_packed_linear``),
+  which vLLM's CPU linear dispatch picks for small bf16/fp16 weights on AMX CPUs:
+  :func:`avoid_missing_packed_gemm` sends those layers where vLLM sends every other
+  layer of an empty build (it has no oneDNN either), to ``torch.nn.functional.linear``
+  on the unpacked weight. A PyTorch version of the pair would rebuild vLLM's VNNI
+  layout only to undo it at every call, and could at best equal this linear.
+
+vLLM's own CPU attention backends are not among them: an empty build has no CPU
+platform of its own, so they cannot be selected.
 
 Model Runner V2's kernels run as PyTorch versions or under Triton's interpreter
 (``v2_kernels.py``).
