@@ -16,6 +16,7 @@ from typing import Any
 from vllm.config import CompilationMode
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
 
+from npu_vllm_bridge.graphs.v2_draft_graphs import DRAFT_MANAGERS
 from npu_vllm_bridge.graphs.v2_graphs import NpuGraphsCapture
 from npu_vllm_bridge.host.moe import moe_layers_through_custom_op
 from npu_vllm_bridge.host.v2_kernels import register_pointer_tensors
@@ -38,11 +39,15 @@ class HostModelRunnerV2(BridgeModelRunnerV2, CPUModelRunnerV2):
             super().warming_up_model()
 
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM's, building the bridge's graph manager; the block tables' data
-        pointers are registered for the PyTorch block-table kernels."""
+        """vLLM's, building the bridge's graph manager; its captures and the
+        drafter's build vLLM's DP metadata unrecorded; the block tables' data pointers
+        are registered for the PyTorch block-table kernels."""
         super().initialize_kv_cache(*args, **kwargs)
-        if isinstance(self.cudagraph_manager, NpuGraphsCapture):
-            dp_metadata_unrecorded_in_captures(self.cudagraph_manager)
+        speculator = getattr(self, "speculator", None)
+        drafters = [getattr(speculator, name, None) for name in DRAFT_MANAGERS]
+        for manager in (self.cudagraph_manager, *drafters):  # the drafter's capture too
+            if isinstance(manager, NpuGraphsCapture):
+                dp_metadata_unrecorded_in_captures(manager)
         tables = self.block_tables
         register_pointer_tensors([table.gpu for table in tables.block_tables])
         register_pointer_tensors(tables.input_block_tables)
