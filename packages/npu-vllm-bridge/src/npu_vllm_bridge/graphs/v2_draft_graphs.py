@@ -99,11 +99,16 @@ class BridgeSpeculatorGraphManager(SpeculatorCudaGraphManager, NpuGraphsCapture)
             self.full.counters.draft_other_forwards += 1
 
 
+def draft_graph_managers(speculator: Any) -> list[BridgeSpeculatorGraphManager]:
+    """``speculator``'s bridge graph managers (none without a speculator)."""
+    managers = (getattr(speculator, name, None) for name in DRAFT_MANAGERS)
+    return [m for m in managers if isinstance(m, BridgeSpeculatorGraphManager)]
+
+
 def drafter_graph_bytes(speculator: Any) -> int:
     """What the captures of ``speculator``'s bridge graph managers took (0 without
     a speculator)."""
-    managers = (getattr(speculator, name, None) for name in DRAFT_MANAGERS)
-    return sum(m.captured_bytes for m in managers if isinstance(m, BridgeSpeculatorGraphManager))
+    return sum(m.captured_bytes for m in draft_graph_managers(speculator))
 
 
 def leave_draft_metadata_with_graphs(speculator: Any) -> None:

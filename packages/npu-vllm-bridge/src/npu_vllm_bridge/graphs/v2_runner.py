@@ -32,8 +32,8 @@ from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp
 
 from npu_vllm_bridge.graphs.counters import GraphCounters, RunnerCounters
 from npu_vllm_bridge.graphs.v2_draft_graphs import (
-    DRAFT_MANAGERS,
     BridgeSpeculatorGraphManager,
+    draft_graph_managers,
     leave_draft_metadata_with_graphs,
 )
 from npu_vllm_bridge.graphs.v2_graphs import BridgeModelGraphManager, NpuGraphsCapture
@@ -66,9 +66,8 @@ class GraphManagerHook(RunnerCounters):
         """The counters of the graph components of this runner: its graph manager's
         (FULL graphs, dispatches without graphs), its drafter's managers', the
         PIECEWISE pieces' (and any other graph wrapper of this engine's)."""
-        speculator = getattr(self, "speculator", None)
         managers = [getattr(self, "cudagraph_manager", None)]
-        managers += [getattr(speculator, name, None) for name in DRAFT_MANAGERS]
+        managers += draft_graph_managers(getattr(self, "speculator", None))
         parts = [
             manager.full.counters
             for manager in managers

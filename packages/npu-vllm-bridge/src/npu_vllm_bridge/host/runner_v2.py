@@ -16,7 +16,7 @@ from typing import Any
 from vllm.config import CompilationMode
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
 
-from npu_vllm_bridge.graphs.v2_draft_graphs import DRAFT_MANAGERS
+from npu_vllm_bridge.graphs.v2_draft_graphs import draft_graph_managers
 from npu_vllm_bridge.graphs.v2_graphs import NpuGraphsCapture
 from npu_vllm_bridge.host.moe import moe_layers_through_custom_op
 from npu_vllm_bridge.host.v2_kernels import register_pointer_tensors
@@ -43,8 +43,7 @@ class HostModelRunnerV2(BridgeModelRunnerV2, CPUModelRunnerV2):
         drafter's build vLLM's DP metadata unrecorded; the block tables' data pointers
         are registered for the PyTorch block-table kernels."""
         super().initialize_kv_cache(*args, **kwargs)
-        speculator = getattr(self, "speculator", None)
-        drafters = [getattr(speculator, name, None) for name in DRAFT_MANAGERS]
+        drafters = draft_graph_managers(getattr(self, "speculator", None))
         for manager in (self.cudagraph_manager, *drafters):  # the drafter's capture too
             if isinstance(manager, NpuGraphsCapture):
                 dp_metadata_unrecorded_in_captures(manager)
