@@ -461,6 +461,9 @@ COMPILED_OPS = (
         "output input w13 w2 w13_bias w2_bias topk_weights topk_id skip_weighted act isa"
     ), _RECORDED + "; " + _DEFINED),
     _op("prepack_moe_weight", _names("weight packed_weight isa"), _DEFINED),
+    _op("rotary_embedding", _names(
+        "positions query key head_size cos_sin_cache is_neox rope_dim_offset inverse"
+    ), _RECORDED),
     _op("init_cpu_memory_env", _names("node_ids"), _DEFINED),
     _op("compute_slot_mapping_kernel_impl", _names(
         "query_start_loc positions block_table slot_mapping block_size"

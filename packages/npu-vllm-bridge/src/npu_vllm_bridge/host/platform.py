@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 from vllm.platforms.cpu import CpuPlatform
 
 from npu_vllm_bridge.graphs.ubatch_config import hold_micro_batching
-from npu_vllm_bridge.host import compiled_ops, triton_interpreter
+from npu_vllm_bridge.host import compiled_ops, custom_ops, triton_interpreter
 from npu_vllm_bridge.platforms import checks
 from npu_vllm_bridge.platforms.common import BridgePlatformMixin
 from npu_vllm_bridge.settings import PREFIX, BridgeSettings
@@ -68,9 +68,15 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
     )
 
     @classmethod
+    def apply_config_platform_defaults(cls, vllm_config: VllmConfig) -> None:
+        super().apply_config_platform_defaults(vllm_config)
+        custom_ops.note_user_choice(vllm_config.compilation_config)
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CUDAGraphMode
 
+        custom_ops_defaulted = custom_ops.take_defaulted(vllm_config.compilation_config)
         checks.check_model_and_options(vllm_config)
         refuse_expert_parallel(vllm_config.parallel_config)
         hold_micro_batching(vllm_config)  # before CpuPlatform turns DBO off
@@ -86,6 +92,8 @@ class HostPlatform(BridgePlatformMixin, CpuPlatform):
         if compilation.cudagraph_mode != CUDAGraphMode.NONE:
             compilation.cudagraph_capture_sizes = capture_sizes
             _host_graph_compilation(compilation, requested_mode)
+            if custom_ops_defaulted:
+                _eager_custom_ops(compilation)
             checks.apply_capture_plan(vllm_config, cls.bridge_settings.graph_backend)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"):
@@ -298,3 +306,15 @@ def _host_graph_compilation(compilation, requested_mode) -> None:
             "not inductor kernels)"
         )
         compilation.mode = CompilationMode.NONE
+
+
+def _eager_custom_ops(compilation) -> None:
+    """vLLM's custom-op default for the compile settings host graphs run with: the
+    kernels eager steps run (``custom_ops.py``)."""
+    changed = custom_ops.redo_vllm_default(compilation)
+    if changed is not None:
+        logger.info(
+            f"{PREFIX} host mode: custom_ops %r, as eager steps (vLLM chose its default "
+            "for inductor, which host graphs turn off)",
+            changed,
+        )

@@ -20,9 +20,10 @@ from npu_vllm_bridge.worker.bridge_worker import BridgeWorkerMixin
 
 logger = init_logger(f"vllm.{__name__}")
 
-# vLLM's CPU GEMM kernels (vllm._custom_ops.onednn_mm / weight_packed_linear_cpu) and
-# its CPU fused-MoE kernel (cpu_fused_moe: the experts of an unquantized MoE layer).
-_CPU_GEMM_OPS = ("onednn_mm", "weight_packed_linear", "cpu_fused_moe")
+# vLLM's CPU GEMM kernels (vllm._custom_ops.onednn_mm / weight_packed_linear_cpu), its
+# CPU fused-MoE kernel (cpu_fused_moe: the experts of an unquantized MoE layer) and its
+# CPU rotary embedding (in place on the query and key, with custom ops on).
+_CPU_KERNEL_OPS = ("onednn_mm", "weight_packed_linear", "cpu_fused_moe", "rotary_embedding")
 
 
 class HostModelRunner(BridgeModelRunner, CPUModelRunner):
@@ -30,15 +31,15 @@ class HostModelRunner(BridgeModelRunner, CPUModelRunner):
     what the bridge's runners add on the NPU too (``bridge_runner.py``).
 
     A host graph is a recording of aten ops. vLLM's CPU linear layers call oneDNN or
-    SGL GEMM kernels, and its MoE layers a fused-experts kernel, through C++ custom ops
-    whose work a recording below the op cannot see; they read nothing but their
-    arguments (the weight handle is one), so they are recorded whole and host graphs
-    run the same kernels as eager steps.
+    SGL GEMM kernels, its MoE layers a fused-experts kernel and its rotary embedding a
+    rotation kernel, through C++ custom ops whose work a recording below the op cannot
+    see; they read nothing but their arguments (the weight handle is one), so they are
+    recorded whole and host graphs run the same kernels as eager steps.
     """
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-            record_cpu_gemms_whole()
+            record_cpu_kernels_whole()
         super().load_model(*args, **kwargs)
         moe_layers_through_custom_op(self.vllm_config)
 
@@ -55,11 +56,11 @@ class HostModelRunner(BridgeModelRunner, CPUModelRunner):
         )
 
 
-def record_cpu_gemms_whole() -> None:
-    """Register vLLM's CPU GEMM custom ops (those this build has) as whole host-graph ops."""
+def record_cpu_kernels_whole() -> None:
+    """Register vLLM's CPU kernel custom ops (those this build has) as whole host-graph ops."""
     from npu_graphs.backends.host import HostGraphBackend
 
-    packets = [compiled_op(name) for name in _CPU_GEMM_OPS]
+    packets = [compiled_op(name) for name in _CPU_KERNEL_OPS]
     HostGraphBackend.record_whole(*[p.default for p in packets if p is not None])
 
 
@@ -98,7 +99,7 @@ class HostWorker(BridgeWorkerMixin, CPUWorker):
 
             init_workspace_manager(self.device)  # V2's capture locks it; CPUWorker makes none
             if self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-                record_cpu_gemms_whole()
+                record_cpu_kernels_whole()
         return self.model_runner_class()(self.vllm_config, self.device)
 
     def compile_or_warm_up_model(self):
