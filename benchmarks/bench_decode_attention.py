@@ -26,11 +26,13 @@ With ``--kv-cache-dtype KIND`` (``fp8``, ``fp8_e4m3``, ``int8_per_token_head``,
 replays: ``bf16_us`` is the provider as a user gets it (the Gluon decode on Hopper
 where the programs fit one wave, else the portable kernel), ``kind_us`` the same
 provider over 8-bit pages (on Hopper the Gluon decode, dequantizing in registers),
-``speedup`` their ratio; both errors are against SDPA on the 16-bit K/V.
-``--kv-variants`` times other settings of the 8-bit decode (``KV_DTYPE_VARIANTS``:
-the Gluon decode's rings and warps, one wave only, the portable kernel with and
-without the arithmetic conversion, per-token-head scales laid head-major) in the same
-rounds.
+``speedup`` their ratio, both caches' pages in the row's order (``pages``: token-major
+``[num_blocks, block_size, kv_heads, head_size]``, or head-major: each KV head's
+tokens of a page contiguous, scales too); both errors are against SDPA on the 16-bit
+K/V. ``--kv-variants`` (default: both orders at the provider's settings) times other
+settings of the 8-bit decode (``KV_DTYPE_VARIANTS``: the Gluon decode's rings and
+warps, one wave only, the portable kernel with and without the arithmetic
+conversion, per-token-head scales laid head-major) in the same rounds.
 
     python benchmarks/bench_decode_attention.py [--tune] [--quick] [--hopper]
     python benchmarks/bench_decode_attention.py --kv-cache-dtype int8_per_token_head \
@@ -103,13 +105,18 @@ class DecodeProblem:
         """The fastest of the SDPA peers (``_timing.SDPA_PEERS``) that take the problem."""
         return min(ms for ms in (self.peer_ms(b) for b in _timing.SDPA_PEERS) if ms is not None)
 
-    def paged_runner(self, provider: TritonProvider, block_size: int):
+    def paged_runner(self, provider: TritonProvider, block_size: int, head_major: bool = False):
+        """``provider.attend`` over 16-bit pages of ``block_size``, laid token-major
+        (``[num_blocks, block_size, kv_heads, head_size]``) or ``head_major`` (each KV
+        head's tokens of a page contiguous; the same logical tensor)."""
         spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE)
         block_tables = permuted_block_tables(
             self.batch, self.context // block_size, self.generator, self.key.device
         )
         key_cache = page_kv(self.key, block_size, block_tables)
         value_cache = page_kv(self.value, block_size, block_tables)
+        if head_major:
+            key_cache, value_cache = (_head_major_pages(c) for c in (key_cache, value_cache))
         plan = hand_plan(
             spec, provider, [1] * self.batch, [self.context] * self.batch, block_tables,
             num_decodes=self.batch,
@@ -130,6 +137,8 @@ _WIDE_ONE_WAVE = {"block_n": 256, "num_warps": 8, "num_stages": 2, "pdl": 1, "pr
 _DEEP = {"block_n": 128, "num_warps": 4, "num_stages": 4, "pdl": 1, "prefetch_tiles": 1}
 KV_CACHE_KINDS = ("fp8", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head")
 SCALE_LAYOUT = "scale_layout"  # a variant's key that is no provider attribute
+
+
 KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "wide": {"decode_launch_8bit": _WIDE, "decode_launch_one_wave_8bit": _WIDE_ONE_WAVE},
@@ -173,6 +182,11 @@ KV_DTYPE_VARIANTS: dict[str, dict[str, Any]] = {
     # of a page contiguous, as the bridge's "planes" split lays them) instead of the
     # benchmark's token-major [num_blocks, block_size, num_kv_heads].
     "head_major_scales": {SCALE_LAYOUT: "head_major"},
+    "portable_head_major_pages": {SCALE_LAYOUT: "head_major_pages", "hopper_decode_8bit": False},
+    # Pages and scales head-major (vLLM's HND page order: each KV head's tokens of a page
+    # contiguous), against the 16-bit cache laid the same way.
+    "head_major_pages": {SCALE_LAYOUT: "head_major_pages"},
+    "portable_head_major_scales": {SCALE_LAYOUT: "head_major", "hopper_decode_8bit": False},
 }  # fmt: skip
 
 
@@ -189,6 +203,12 @@ def quantized_pages_of(problem: DecodeProblem, block_size: int, kind: str):
     return block_tables, key_cache, value_cache, scales, nbytes
 
 
+def _head_major_pages(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` ``[num_blocks, block_size, kv_heads, head_size]`` (same values) with
+    each KV head's tokens of a page contiguous."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def head_major(scales: KVScales) -> KVScales:
     """Per-token-head ``scales`` (same values) with each KV head's scales of a page
     contiguous; per-tensor scales as they are."""
@@ -202,8 +222,10 @@ def quantized_runner(problem: DecodeProblem, provider: TritonProvider, pages, ki
     """``provider.attend`` over ``pages`` (``quantized_pages_of``), the per-token-head
     scales laid ``token_major`` (as made) or ``head_major``."""
     block_tables, key_cache, value_cache, scales, _ = pages
-    if scale_layout == "head_major":
+    if scale_layout in ("head_major", "head_major_pages"):
         scales = head_major(scales)
+    if scale_layout == "head_major_pages":
+        key_cache, value_cache = (_head_major_pages(c) for c in (key_cache, value_cache))
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=key_cache.shape[1], dtype=DTYPE,
                          kv_cache_dtype=kind)  # fmt: skip
     plan = hand_plan(
@@ -231,15 +253,19 @@ def _captured(fn) -> torch.cuda.CUDAGraph:
 def kv_cache_dtype_rows(
     device: torch.device, kind: str, rounds: int, variants: list[str]
 ) -> list[dict[str, Any]]:
-    """The 16-bit cache and the ``kind`` cache under each of ``variants``
-    (``KV_DTYPE_VARIANTS``) at ``KV_DTYPE_SHAPES``, interleaved graph replays."""
+    """The ``kind`` cache under each of ``variants`` (``KV_DTYPE_VARIANTS``) against the
+    16-bit cache in the same page order (``pages``: token-major, or head-major for the
+    ``head_major_pages`` variants) at ``KV_DTYPE_SHAPES``, interleaved graph replays."""
     rows = []
     for (batch, context), block_size in itertools.product(KV_DTYPE_SHAPES, BLOCK_SIZES):
         problem = DecodeProblem(batch, context, device)
         expected = problem.sdpa().float()
-        run16, _ = problem.paged_runner(TritonProvider(), block_size)
         pages = quantized_pages_of(problem, block_size, kind)
-        runs, splits = {"bf16": run16}, {}
+        order = {name: _page_order_of(name) for name in variants}
+        runs, splits = {}, {}
+        for page_order in sorted(set(order.values())):
+            head_major = page_order == "head_major"
+            runs[page_order], _ = problem.paged_runner(TritonProvider(), block_size, head_major)
         for name in variants:
             provider = TritonProvider()
             settings = dict(KV_DTYPE_VARIANTS[name])
@@ -251,20 +277,24 @@ def kv_cache_dtype_rows(
         errors = {name: (run().float() - expected).abs().max().item() for name, run in runs.items()}
         graphs = {name: _captured(run) for name, run in runs.items()}
         times = _timing.interleaved_median_ms({k: g.replay for k, g in graphs.items()}, rounds)
-        us16 = times["bf16"][0] * 1e3
         for name in variants:
-            us = times[name][0] * 1e3
+            us16, us = times[order[name]][0] * 1e3, times[name][0] * 1e3
             rows.append({
                 "batch": batch, "context": context, "block": block_size, "variant": name,
-                "splits": splits[name], "bf16_us": us16, "kind_us": us, "speedup": us16 / us,
-                "bf16_GB/s": problem.kv_bytes / (us16 * 1e-6) / 1e9,
+                "pages": order[name], "splits": splits[name], "bf16_us": us16, "kind_us": us,
+                "speedup": us16 / us, "bf16_GB/s": problem.kv_bytes / (us16 * 1e-6) / 1e9,
                 "kind_GB/s": pages[4] / (us * 1e-6) / 1e9,
-                "spread_%": max(times["bf16"][1], times[name][1]),
-                "bf16_err": errors["bf16"], "kind_err": errors[name],
+                "spread_%": max(times[order[name]][1], times[name][1]),
+                "bf16_err": errors[order[name]], "kind_err": errors[name],
             })  # fmt: skip
         del problem, graphs, runs, pages
         torch.cuda.empty_cache()
     return rows
+
+
+def _page_order_of(variant: str) -> str:
+    layout = KV_DTYPE_VARIANTS[variant].get(SCALE_LAYOUT)
+    return "head_major" if layout == "head_major_pages" else "token_major"
 
 
 def measure(
@@ -509,7 +539,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--kv-variants",
-        default="default",
+        default="default,head_major_pages",
         help="with --kv-cache-dtype: comma-separated names of KV_DTYPE_VARIANTS",
     )
     args = parser.parse_args()

@@ -12,8 +12,9 @@
 #                                        # (four processes at once: 4 minutes on a fresh H100 machine)
 #   bash benchmarks/gpu_suite.sh final   # every benchmark at its defaults, and the 8-bit
 #                                        # caches' decode (int8_per_token_head, fp8,
-#                                        # fp8_per_token_head) and prefill (int8_per_token_head,
-#                                        # fp8), each beside the 16-bit cache in its process
+#                                        # fp8_per_token_head; token- and head-major pages) and
+#                                        # prefill (int8_per_token_head, fp8), each beside the
+#                                        # 16-bit cache in its process
 #   bash benchmarks/gpu_suite.sh kv8     # 8-bit KV caches: their `cuda` tests (GQA and the MLA
 #                                        # fp8 latent cache, three processes), then decode and
 #                                        # prefill of int8_per_token_head, fp8 and
@@ -77,9 +78,9 @@ case $mode in
     final)
         part prefill 70 python benchmarks/bench_prefill_attention.py
         part mla_prefill 30 python benchmarks/bench_mla_prefill.py
-        part decode 140 python benchmarks/bench_decode_attention.py
-        for kind in int8_per_token_head fp8 fp8_per_token_head; do
-            part "decode_$kind" 35 python benchmarks/bench_decode_attention.py \
+        part decode 120 python benchmarks/bench_decode_attention.py
+        for kind in int8_per_token_head fp8 fp8_per_token_head; do  # both page orders
+            part "decode_$kind" 55 python benchmarks/bench_decode_attention.py \
                 --kv-cache-dtype "$kind" --rounds 2
         done
         for kind in int8_per_token_head fp8; do

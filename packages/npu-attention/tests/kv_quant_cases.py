@@ -60,10 +60,15 @@ def dequantized(rows: torch.Tensor, spec, scale: torch.Tensor | None) -> torch.T
 
 
 def quantized_paged(
-    case: Case, seed: int = 0, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    case: Case,
+    seed: int = 0,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    head_major: bool = False,
 ) -> QuantPaged:
     """``case.paged`` with pages of ``spec.cache_dtype`` holding the quantized context;
-    ``scales``: per-tensor scales to use (default: ``per_tensor_scales(case)``)."""
+    ``scales``: per-tensor scales to use (default: ``per_tensor_scales(case)``);
+    ``head_major``: pages and per-token-head scales laid with each KV head's tokens of a
+    page contiguous (the same logical tensors)."""
     spec = case.spec
     paged = case.paged(np.random.default_rng(seed))
     device = case.query.device
@@ -92,15 +97,26 @@ def quantized_paged(
             cache[where] = codes
             if row_scales is not None:
                 scale[where] = row_scales
+    if head_major:
+        key_cache, value_cache = (_head_major(c) for c in (key_cache, value_cache))
+        if spec.kv_scales is not ScaleKind.PER_TENSOR:
+            k_scale, v_scale = _head_major(k_scale), _head_major(v_scale)
     quant = dataclasses.replace(paged, key_cache=key_cache, value_cache=value_cache)
     return QuantPaged(quant, k_scale, v_scale)
 
 
+def _head_major(pages: torch.Tensor) -> torch.Tensor:
+    """``pages`` ``[num_blocks, block_size, kv_heads, ...]``, the same values, each KV
+    head's tokens of a page contiguous."""
+    return pages.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def run_quantized(
-    case: Case, seed: int = 0, *, provider: str = "reference"
+    case: Case, seed: int = 0, *, provider: str = "reference", head_major: bool = False
 ) -> tuple[torch.Tensor, QuantPaged, AttentionPlan]:
-    """plan + run over the quantized pages; ``out`` starts as a sentinel (-3)."""
-    quant = quantized_paged(case, seed)
+    """plan + run over the quantized pages (``quantized_paged``); ``out`` starts as a
+    sentinel (-3)."""
+    quant = quantized_paged(case, seed, head_major=head_major)
     paged, device = quant.paged, case.query.device
     step = plan(
         case.cu_seqlens_q,

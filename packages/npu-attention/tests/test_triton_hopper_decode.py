@@ -81,6 +81,23 @@ def test_shapes_and_cache_layouts_the_kernel_refuses() -> None:
     assert not hopper._pages_take_descriptor(cache.half(), torch.bfloat16)
 
 
+def test_page_orders_a_descriptor_addresses() -> None:
+    """Token-major pages (vLLM's NHD), head-major pages (each KV head's tokens of a page
+    contiguous, HND) and what neither is; the key and value caches must share one."""
+    hopper = pytest.importorskip("npu_attention.providers.triton_kernels.hopper_decode")
+    token_major = torch.zeros(6, 16, 4, 128, dtype=torch.int8)
+    head_major = torch.zeros(6, 4, 16, 128, dtype=torch.int8).transpose(1, 2)
+    assert hopper._page_order(token_major, torch.int8) == "token_major"
+    assert hopper._page_order(head_major, torch.int8) == "head_major"
+    one_head = torch.zeros(6, 1, 16, 128, dtype=torch.int8).transpose(1, 2)
+    assert hopper._page_order(one_head, torch.int8) == "head_major"  # rows as token-major
+    heads_apart = torch.zeros(6, 4, 2, 16, 128, dtype=torch.int8)[:, :, 0].transpose(1, 2)
+    assert hopper._page_order(heads_apart, torch.int8) is None
+    packed = torch.zeros(6, 4, 16, 256, dtype=torch.int8).transpose(1, 2)[..., :128]
+    assert hopper._page_order(packed, torch.int8) is None  # K and V interleaved per token
+    assert hopper._page_order(head_major, torch.float8_e4m3fn) is None  # dtype
+
+
 @pytest.mark.parametrize(
     ("num_reqs", "longest", "expected_splits", "expected_long"),
     [  # 132 multiprocessors, 8 KV heads
@@ -160,6 +177,27 @@ def test_gpu_hopper_decode_matches_reference(
     assert_matches_reference(batch, out)
     assert launches == [num_kv_splits or step.num_kv_splits]
     assert out[batch.plan.num_actual_tokens :].isnan().all(), "padding rows must stay untouched"
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_hopper_decode_over_head_major_pages(
+    block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same decodes over pages laid head-major (vLLM's HND order: each KV head's
+    tokens of a page contiguous), one of them split over programs."""
+    spec = AttentionSpec(8, 2, 128, block_size=block_size, dtype=torch.bfloat16)
+    batch = _decode(spec, [15, 16, 17, 130, 3000])
+    batch.key_cache, batch.value_cache = (
+        c.transpose(1, 2).contiguous().transpose(1, 2) for c in (batch.key_cache, batch.value_cache)
+    )
+    kernels = triton_provider._hopper_decode_kernels(torch.device("cuda"))
+    assert kernels._page_order(batch.key_cache, torch.bfloat16) == "head_major"
+    launches = _count_hopper_launches(monkeypatch)
+    out = batch.run()
+    assert launches == [batch.plan.provider_data.num_kv_splits]
+    assert_matches_reference(batch, out)
 
 
 @pytest.mark.cuda

@@ -189,15 +189,46 @@ def test_gpu_register_conversion_of_every_code(codes: torch.dtype, dtype: torch.
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HOPPER, reason="needs a GPU of compute capability 9.x")
+def test_gpu_paired_e4m3_conversion_of_every_code() -> None:
+    """The Gluon decode's e4m3 -> float16 conversion (``cvt.rn.f16x2.e4m3x2``) against
+    torch's on all 256 codes in shuffled order, NaN codes staying NaN."""
+    import triton
+    import triton.language as tl
+
+    from npu_attention.providers.triton_kernels.dequant import _E4M3_TO_F16_CVT as PAIRED
+
+    @triton.jit
+    def convert(src, dst, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        codes = tl.load(src + offs)
+        tl.store(
+            dst + offs, tl.inline_asm_elementwise(PAIRED, "=r,=r,r", [codes], tl.float16, True, 4)
+        )
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    bytes_ = every[torch.randperm(1024, generator=torch.Generator().manual_seed(0)) % 256]
+    src = bytes_.view(torch.float8_e4m3fn).cuda()
+    out = torch.empty(1024, dtype=torch.float16, device="cuda")
+    convert[(1,)](src, out, N=1024)
+    torch.testing.assert_close(
+        out.cpu(), src.cpu().to(torch.float16), rtol=0, atol=0, equal_nan=True
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HOPPER, reason="needs a GPU of compute capability 9.x")
 @pytest.mark.parametrize("kind", QUANTIZED_KINDS)
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize(
+    ("head_size", "head_major"), [(64, False), (128, False), (256, False), (128, True)]
+)
 def test_gpu_hopper_decode_over_8bit_pages(
-    kind: str, head_size: int, monkeypatch: pytest.MonkeyPatch
+    kind: str, head_size: int, head_major: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Gluon decode reads the 8-bit pages: decodes ending around page edges, a
     speculative decode, one long request split over programs, more programs than
     multiprocessors (taken for the kinds ``hopper_decode_multi_wave_8bit`` names); bfloat16 and
-    float16; 16-token pages (several a key tile) and 128-token pages (a tile inside one)."""
+    float16; 16-token pages (several a key tile) and 128-token pages (a tile inside one);
+    pages and scales token-major or ``head_major``."""
     provider = get_provider("triton", torch.device("cuda"))
     monkeypatch.setattr(provider, "hopper_decode_multi_wave_8bit", (kind,))
     kernels = triton_provider._hopper_decode_kernels(torch.device("cuda"))
@@ -221,7 +252,7 @@ def test_gpu_hopper_decode_over_8bit_pages(
                              num_speculative_tokens=spec_tokens)  # fmt: skip
         case = make_case(spec, q, ctx, len(q), pad_tokens=2, seed=head_size, device="cuda")
         launches.clear()
-        out, quant, step = run_quantized(case, provider="triton")
+        out, quant, step = run_quantized(case, provider="triton", head_major=head_major)
         assert launches and all(scaled for _, scaled in launches), name
         if name.startswith("split"):
             assert launches[0][0] > 1

@@ -184,9 +184,10 @@ class TritonProvider(AttentionProvider):
         # H100, 16 x 16384 block 128 / 16, fp8 214 / 211 us, int8 per token and head
         # 224 / 222 against one program of 128-key tiles and 4 stages, 240 / 252 and
         # 266 / 272 (16-bit 365 / 367). Decodes of more programs than multiprocessors:
-        # two programs a multiprocessor with fp8 (64 x 4096: 213 / 215 against the
-        # portable kernel's 232 / 229); per-token-head kinds keep the portable kernel
-        # (225 / 228 against 237 / 232). Other settings tried: benchmarks/README.md.
+        # two programs a multiprocessor, every kind (64 x 4096, head-major pages, block
+        # 128 / 16: int8 per token and head 205 / 210 us against the portable kernel's
+        # 220 / 223; token-major pages 232 / 228 against 224 / 228; fp8 213 / 215 against
+        # 232 / 229). Other settings tried: benchmarks/README.md.
         self.hopper_decode_8bit = True
         self.hopper_decode_launch_8bit: dict[str, int] = {
             "block_n": 64,
@@ -195,7 +196,7 @@ class TritonProvider(AttentionProvider):
             "maxnreg": 80,
         }
         self.hopper_decode_programs_per_sm_8bit = 3
-        self.hopper_decode_multi_wave_8bit: tuple[str, ...] = ("fp8", "fp8_e4m3")
+        self.hopper_decode_multi_wave_8bit: tuple[str, ...] = kv_quant.KV_CACHE_DTYPES[1:]
         self.hopper_decode_launch_multi_wave_8bit: dict[str, int] = {
             "block_n": 128,
             "num_warps": 4,

@@ -21,12 +21,20 @@ log-sum-exp. Sliding windows and soft caps stay on the portable kernel.
 
 8-bit pages (``npu_attention.kv_quant``: int8 or e4m3 codes, per-tensor or
 per-token-head scales) travel through TMA as they are, half the bytes a tile, and are
-converted in the consumer's registers (``dequant.py``): keys straight from shared
-memory into the score MMA's operand (four codes of a row a thread, query columns
-permuted alike), values through a 16-bit copy in the operand's layout. Per-token-head
-key scales multiply the scores' columns and value scales the probabilities: the
-loader copies each tile's scales into rings of their own (``cp.async``, completing on
-the tile's key barrier); per-tensor scales join the score scale and the output.
+converted to float16 in the consumer's registers (e4m3 by ``cvt``, int8 by
+``dequant.py``'s arithmetic), whatever the query's dtype: the query, scaled first, is
+rounded to float16 and both products run in it. Keys go straight from shared memory
+into the score MMA's operand (four codes of a row a thread, query columns permuted
+alike), values through a 16-bit copy in the operand's layout. Per-token-head key
+scales multiply the scores' columns and value scales the probabilities: the loader
+copies each tile's scales into rings of their own (``cp.async``, completing on the
+tile's key barrier); per-tensor scales join the query's scale and the output.
+
+Pages may be token-major (vLLM's ``[num_blocks, block_size, kv_heads, head_size]``,
+a token's KV heads side by side) or head-major (each KV head's tokens of a page
+contiguous, vLLM's HND order). A KV head's rows are ``head_size``-element pieces
+``kv_heads`` rows apart in the first and one run in the second; 8-bit decodes read
+the second faster (``benchmarks/README.md``).
 :func:`hopper_decode_supported` says whether a call can take this path; the caller
 checks the device (compute capability 9.x).
 """
@@ -44,7 +52,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.core import _aggregate as aggregate
 
-    from npu_attention.providers.triton_kernels.dequant import dequant_gl
+    from npu_attention.providers.triton_kernels.dequant import dequant_gl, e4m3_to_f16_cvt_gl
 
     HAVE_GLUON = True
 except ImportError:  # older Triton, triton-ascend: the portable kernel serves
@@ -110,22 +118,43 @@ def hopper_decode_supported(
         pages = key_cache.dtype
         if pages not in EIGHT_BIT_PAGES:
             return False
-    return all(_pages_take_descriptor(c, pages) for c in (key_cache, value_cache))
+    order = _page_order(key_cache, pages)
+    return order is not None and _page_order(value_cache, pages) == order
 
 
 def _pages_take_descriptor(cache: torch.Tensor, dtype: torch.dtype) -> bool:
-    if cache.dtype != dtype or cache.dim() != 4:
-        return False
-    _, block_size, kv_heads, head_size = cache.shape
+    return _page_order(cache, dtype) is not None
+
+
+def _page_order(cache: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """How a 2-D tensor descriptor addresses ``cache`` ``[num_blocks, block_size,
+    kv_heads, head_size]`` of ``dtype``: ``"token_major"`` (a page's tokens one after
+    another, each with all its KV heads: rows ``[num_blocks * block_size, kv_heads *
+    head_size]``), ``"head_major"`` (each KV head's tokens of a page contiguous: rows
+    ``[num_blocks * kv_heads * block_size, head_size]``), or ``None`` (neither, or not
+    16-byte aligned)."""
+    if cache.dtype != dtype or cache.dim() != 4 or cache.data_ptr() % 16:
+        return None
+    num_blocks, block_size, kv_heads, head_size = cache.shape
     stride_b, stride_t, stride_h, stride_d = cache.stride()
-    return (
-        stride_d == 1
-        and stride_h == head_size
+    if stride_d != 1:
+        return None
+    if (
+        stride_h == head_size
         and stride_b == block_size * stride_t
         and stride_t >= kv_heads * head_size
         and (stride_t * cache.element_size()) % 16 == 0
-        and cache.data_ptr() % 16 == 0
-    )
+    ):
+        return "token_major"
+    if (
+        stride_t == head_size
+        and stride_h == block_size * head_size
+        and stride_b == kv_heads * stride_h
+        and (head_size * cache.element_size()) % 16 == 0
+        and num_blocks * kv_heads * block_size < 2**31
+    ):
+        return "head_major"
+    return None
 
 
 def hopper_decode(
@@ -221,6 +250,7 @@ def hopper_decode(
         SPLIT=split,
         WRITE_LSE=write_lse,
         KV_QUANT=kv_quant,
+        HEAD_MAJOR=_page_order(key_cache, key_cache.dtype) == "head_major",
         num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
@@ -241,20 +271,23 @@ def _scale_args(
 
 
 def _page_descriptor(cache: torch.Tensor, page_rows: int, dtype) -> "TensorDescriptor":
-    """A 2-D descriptor over ``cache`` seen as ``[num_blocks * block_size, kv_heads *
-    head_size]``; a box is ``page_rows`` rows of one page and one KV head."""
+    """A 2-D descriptor over ``cache`` in its order (:func:`_page_order`): rows
+    ``[num_blocks * block_size, kv_heads * head_size]`` or, head-major, ``[num_blocks *
+    kv_heads * block_size, head_size]``; a box is ``page_rows`` rows of one page and one
+    KV head."""
     num_blocks, block_size, kv_heads, head_size = cache.shape
     layout = nvmma_shared_layout(page_rows, head_size, dtype)
-    return TensorDescriptor(
-        cache,
-        [num_blocks * block_size, kv_heads * head_size],
-        [cache.stride(1), 1],
-        [page_rows, head_size],
-        layout,
-    )
+    if _page_order(cache, cache.dtype) == "head_major":
+        rows, row_stride = [num_blocks * kv_heads * block_size, head_size], head_size
+    else:
+        rows, row_stride = [num_blocks * block_size, kv_heads * head_size], cache.stride(1)
+    return TensorDescriptor(cache, rows, [row_stride, 1], [page_rows, head_size], layout)
 
 
 if HAVE_GLUON:
+    # Probabilities times per-token-head value scales, in float16: times 16 keeps them
+    # normal for scales down to 4e-6 / p, and finite for scales up to 4096 (|v| < 5e5).
+    _P_SCALE_F16 = gl.constexpr(16.0)
 
     @aggregate
     class _Shape:
@@ -267,9 +300,11 @@ if HAVE_GLUON:
         block_size: gl.constexpr
         split: gl.constexpr
         write_lse: gl.constexpr
+        head_major: gl.constexpr
 
         @gluon.constexpr_function
-        def __init__(self, num_heads, queries_per_kv, rows, block_m, block_size, split, write_lse):
+        def __init__(self, num_heads, queries_per_kv, rows, block_m, block_size, split, write_lse,
+                     head_major):  # fmt: skip
             self.num_heads = gl.constexpr(num_heads)
             self.queries_per_kv = gl.constexpr(queries_per_kv)
             self.rows = gl.constexpr(rows)
@@ -277,6 +312,22 @@ if HAVE_GLUON:
             self.block_size = gl.constexpr(block_size)
             self.split = gl.constexpr(split)
             self.write_lse = gl.constexpr(write_lse)
+            self.head_major = gl.constexpr(head_major)
+
+        @gluon.constexpr_function
+        def page_stride(self):
+            """Descriptor rows from one page to the next."""
+            kv_heads = self.num_heads // self.queries_per_kv
+            return gl.constexpr(self.block_size * (kv_heads if self.head_major else 1))
+
+    @gluon.jit
+    def head_place(shape: _Shape, kv_head, HEAD: gl.constexpr):
+        """Where KV head ``kv_head``'s rows of a page start in the descriptor: ``(row,
+        column)`` offsets (pages token-major: its columns; head-major: its rows)."""
+        if shape.head_major:
+            return kv_head * shape.block_size, 0
+        else:
+            return 0, kv_head * HEAD
 
     @gluon.jit
     def split_key_range(seq_len, BLOCK_N: gl.constexpr):
@@ -332,12 +383,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def load_ring(
-        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, req, col, seq_lens_ptr,
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, req, row0, col, seq_lens_ptr,
         block_tables_ptr, table_width, stride_bt, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
+        PAGE_STRIDE: gl.constexpr,
     ):  # fmt: skip
         """A decode's loader warp (this kernel's and the MLA decode's): request ``req``'s
         block table read one tile ahead, each tile's pages of two caches (``k`` and
-        ``v``: columns from ``col``; MLA: the latent and the rope) into their rings of
+        ``v``: page ``p``'s rows from ``p * PAGE_STRIDE + row0``, columns from ``col``; MLA:
+        the latent and the rope) into their rings of
         stages, a piece past the request's keys an arrival without bytes. Each stage's
         ``k_ready`` and ``v_ready`` count one arrival a piece (one barrier for both:
         two); the consumer frees a stage on ``empty``."""
@@ -361,7 +414,7 @@ if HAVE_GLUON:
             for i in gl.static_range(PIECES):
                 key = first + i * PAGE_ROWS
                 page = gl.sum(gl.where(offs == i, pages, 0), axis=0)
-                coord = [page * BLOCK_SIZE + key % BLOCK_SIZE, col]
+                coord = [page * PAGE_STRIDE + row0 + key % BLOCK_SIZE, col]
                 _fetch_piece(k_desc, k_smem, k_ready, stage, i, coord, key < hi)
                 _fetch_piece(v_desc, v_smem, v_ready, stage, i, coord, key < hi)
             pages = upcoming
@@ -373,11 +426,11 @@ if HAVE_GLUON:
     ):  # fmt: skip
         """One warp: the program's KV head of each tile's pages into the ring."""
         k_ready, v_ready, empty = bars
-        HEAD: gl.constexpr = k_smem.type.shape[2]
+        row0, col = head_place(shape, gl.program_id(1), k_smem.type.shape[2])
         load_ring(
-            k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, gl.program_id(0),
-            gl.program_id(1) * HEAD, seq_lens_ptr, block_tables_ptr, table_width, stride_bt,
-            shape.block_size, shape.split,
+            k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, gl.program_id(0), row0, col,
+            seq_lens_ptr, block_tables_ptr, table_width, stride_bt, shape.block_size, shape.split,
+            shape.page_stride(),
         )  # fmt: skip
 
     @gluon.jit
@@ -547,6 +600,8 @@ if HAVE_GLUON:
             shape.split,
         )  # fmt: skip
         key_pages = tile_pages(row, table_width, lo, hi, key_offs, 1, BLOCK_SIZE)
+        row0, col = head_place(shape, kv_head, HEAD)
+        PAGE_STRIDE: gl.constexpr = shape.page_stride()
         for j in range(num_tiles):
             first = lo + j * BLOCK_N
             upcoming = tile_pages(
@@ -564,11 +619,20 @@ if HAVE_GLUON:
             for i in gl.static_range(PIECES):
                 key = first + i * PAGE_ROWS
                 page = gl.sum(gl.where(offs == i, pages, 0), axis=0)
-                coord = [page * BLOCK_SIZE + key % BLOCK_SIZE, kv_head * HEAD]
+                coord = [page * PAGE_STRIDE + row0 + key % BLOCK_SIZE, col]
                 _fetch_piece(k_desc, k_smem, k_ready, stage, i, coord, key < hi)
                 _fetch_piece(v_desc, v_smem, v_ready, stage, i, coord, key < hi)
             pages = upcoming
             key_pages = upcoming_keys
+
+    @gluon.jit
+    def _to_f16(codes):
+        """8-bit codes as float16: e4m3 by Hopper's paired conversion, int8 by
+        arithmetic (``dequant.py``)."""
+        if codes.dtype == gl.float8e4nv:
+            return e4m3_to_f16_cvt_gl(codes)
+        else:
+            return dequant_gl(codes, gl.float16)
 
     @gluon.jit
     def _consumer_partition_8bit(
@@ -576,18 +640,20 @@ if HAVE_GLUON:
         partial_lse_ptr, lse_ptr, cu_seqlens_q_ptr, seq_lens_ptr, stride_qt, stride_qh,
         stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, shape: _Shape, scales: _Scales,
     ):  # fmt: skip
-        """``_consumer_partition`` over 8-bit pages: keys loaded four codes of a row a
-        thread into the score MMA's operand and converted there (the query's columns
-        take the same order: ``k_width`` 4 on both operands), values converted in a
-        row-wise layout and moved into their operand's; scales applied to the scores
-        and probabilities (per token and head, read a tile ahead) or to the score scale
-        and the output (per tensor); per-token-head scales come from the loader's rings."""
+        """``_consumer_partition`` over 8-bit pages, its products in float16 whatever the
+        query's dtype (codes convert to float16 in fewer instructions than to bfloat16,
+        and with more mantissa): keys loaded four codes of a row a thread into the score
+        MMA's operand and converted there (the query's columns take the same order:
+        ``k_width`` 4 on both operands), values converted in a row-wise layout and moved
+        into their operand's; scales applied to the scores and probabilities (per token
+        and head, read a tile ahead) or to the query and the output (per tensor);
+        per-token-head scales come from the loader's rings."""
         k_ready, v_ready, empty = bars
         STAGES: gl.constexpr = k_smem.type.shape[0]
         BLOCK_N: gl.constexpr = k_smem.type.shape[1]
         HEAD: gl.constexpr = k_smem.type.shape[2]
         BLOCK_M: gl.constexpr = shape.block_m
-        DTYPE: gl.constexpr = q_ptr.dtype.element_ty
+        DTYPE: gl.constexpr = gl.float16
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[1, gl.num_warps()], instr_shape=[16, 8]
         )
@@ -609,7 +675,6 @@ if HAVE_GLUON:
         lo, hi = split_key_range(seq_len, BLOCK_N)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
         q = _query_rows(q_ptr, q_start, q_len, kv_head, stride_qt, stride_qh, HEAD, shape, plain)
-        q = gl.convert_layout(q, q_layout)
         context_len = seq_len - q_len
         r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
         row_end = gl.minimum(context_len + r // shape.queries_per_kv + 1, hi)
@@ -618,6 +683,13 @@ if HAVE_GLUON:
         if scales.kv_quant == 1:
             qk_scale = qk_scale * gl.load(scales.k_ptr)
             out_scale = gl.load(scales.v_ptr)
+        p_scale = 1.0
+        if scales.kv_quant == 2:
+            p_scale = _P_SCALE_F16
+            out_scale = out_scale / _P_SCALE_F16
+        # Scaled before rounding to float16: the scores come out in the exp2 domain, and
+        # a query element needs |q| < 65504 / qk_scale rather than < 65504.
+        q = gl.convert_layout((q.to(gl.float32) * qk_scale).to(DTYPE), q_layout)
         offs = gl.arange(0, BLOCK_N, layout=cols)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
@@ -630,26 +702,32 @@ if HAVE_GLUON:
             first = lo + j * BLOCK_N
             mbarrier.wait(k_ready.index(stage), phase)
             k = k_smem.index(stage).permute((1, 0)).load(k_layout)
-            s = mma_v2(q, dequant_gl(k, DTYPE), zero_s)
+            s = mma_v2(q, _to_f16(k), zero_s)
             if scales.kv_quant == 2:
                 s = s * ks_smem.index(stage).load(cols)[None, :]
             masked = j >= num_full
             if masked:
                 keys = first + offs
                 s = gl.where(keys[None, :] < row_end[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(s * qk_scale - m_safe[:, None])
+            p = gl.exp2(s - m_safe[:, None])
             alpha = gl.exp2(m_i - m_safe)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             mbarrier.wait(v_ready.index(stage), phase)
-            # Rows past the keys (never fetched) convert to finite values that meet p = 0.
+            # Rows past the keys (never fetched, or stale) meet p = 0: int8 codes are all
+            # finite, e4m3 codes there are zeroed after the conversion.
             v = v_smem.index(stage).load(rows)
             if scales.kv_quant == 2:
-                p = p * vs_smem.index(stage).load(cols)[None, :]
+                p = p * (vs_smem.index(stage).load(cols) * p_scale)[None, :]
             mbarrier.arrive(empty.index(stage), count=1)
-            v = gl.convert_layout(dequant_gl(v, DTYPE), v_layout)
+            v = _to_f16(v)
+            if v_smem.dtype == gl.float8e4nv:  # noqa: SIM102 (constexpr, then runtime)
+                if masked:  # NaN codes past the keys would meet p = 0 as NaN
+                    keys_v = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows))
+                    v = gl.where((keys_v < hi)[:, None], v, 0.0)
+            v = gl.convert_layout(v, v_layout)
             p_op = gl.convert_layout(p.to(DTYPE), p_layout)
             acc = mma_v2(p_op, v, acc * alpha[:, None])
         _store_rows(
@@ -704,7 +782,7 @@ if HAVE_GLUON:
         NUM_HEADS: gl.constexpr, QUERIES_PER_KV: gl.constexpr, ROWS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
-        KV_QUANT: gl.constexpr,
+        KV_QUANT: gl.constexpr, HEAD_MAJOR: gl.constexpr,
     ):  # fmt: skip
         HEAD: gl.constexpr = k_desc.block_type.shape[1]
         PIECES: gl.constexpr = BLOCK_N // k_desc.block_type.shape[0]
@@ -718,7 +796,9 @@ if HAVE_GLUON:
             mbarrier.init(v_ready.index(i), count=PIECES)
             mbarrier.init(empty.index(i), count=1)
         bars = (k_ready, v_ready, empty)
-        shape = _Shape(NUM_HEADS, QUERIES_PER_KV, ROWS, BLOCK_M, BLOCK_SIZE, SPLIT, WRITE_LSE)
+        shape = _Shape(
+            NUM_HEADS, QUERIES_PER_KV, ROWS, BLOCK_M, BLOCK_SIZE, SPLIT, WRITE_LSE, HEAD_MAJOR
+        )
         load_args = (
             k_desc, v_desc, k_smem, v_smem, bars, seq_lens_ptr, block_tables_ptr,
             table_width, stride_bt, shape,

@@ -279,9 +279,9 @@ if HAVE_GLUON:
         """One warp: each tile's latent and rope rows into the ring (one ``ready``
         barrier a stage for both; ``hopper_decode.load_ring``)."""
         load_ring(
-            kv_desc, pe_desc, kv_smem, pe_smem, ready, ready, empty, gl.program_id(1), 0,
+            kv_desc, pe_desc, kv_smem, pe_smem, ready, ready, empty, gl.program_id(1), 0, 0,
             seq_lens_ptr, block_tables_ptr, table_width, stride_bt, shape.block_size,
-            shape.split,
+            shape.split, shape.block_size,
         )  # fmt: skip
 
     @gluon.jit
