@@ -26,6 +26,17 @@ into the pages (quantized for ``KIND``), then attention (``bf16_ms``, ``kind_ms`
 ``ratio`` = kind / bf16; a prefill without cached context attends over its own rows
 either way, a chunk after a prefix reads the pages).
 
+With ``--prefill-variants ...,dequant_workspace`` (a prototype, not in the provider):
+the chunk's 8-bit pages (prefix and the chunk's own rows, already written) are first
+dequantized by one kernel into a compact 16-bit page pool (request ``r``'s page ``j``
+at ``base[r] + j``), then the provider's 16-bit attention runs over the pool. It is
+timed as one CUDA-graph replay (``dequant_workspace_graph``; ``dequant_only_graph``:
+the dequantization alone, its ``max_err`` its largest difference from
+``kv_quant.dequantize``; ``pool_attend_graph``: the attention alone over the filled
+pool; ``dequant_flush_attend_graph``: the two with the L2 cache flushed between them,
+``flush_graph`` that flush alone), beside graph replays of the 16-bit and the 8-bit
+chunk (``vs_bf16`` of a ``_graph`` row is against ``bf16_graph``).
+
     python benchmarks/bench_prefill_attention.py [--tune] [--rounds 3]
     python benchmarks/bench_prefill_attention.py --kv-cache-dtype fp8
 """
@@ -38,10 +49,14 @@ from typing import Any
 import _timing  # first: puts the packages' src on sys.path
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from _paged_batch import attention_flops, causal_pairs, hand_plan, page_kv, permuted_block_tables
 from _quantized_pages import quantized_pages
 from torch.nn.attention.bias import causal_lower_right
 
+from npu_attention import kv_quant
+from npu_attention.kv_quant import KVScales
 from npu_attention.providers.triton import TritonProvider
 from npu_attention.spec import AttentionSpec
 
@@ -171,8 +186,174 @@ class PrefillProblem:
 
         return run
 
+    def workspace_runners(self, provider: TritonProvider, block_size: int, kind: str):
+        """``(runners, dequant_err)``. ``runners``: the chunk over ``kind``'s pages (new
+        rows already written) as the 8-bit pages dequantized into a 16-bit pool, then the
+        16-bit attention over the pool (``dequant_workspace_graph``); the dequantization
+        alone; the attention alone over the filled pool; the two with the L2 cache
+        flushed between them (the pool read from memory, as when it outgrows L2), and
+        that flush alone. ``dequant_err``: the pool's largest difference from
+        ``kv_quant.dequantize`` (cast to the model dtype)."""
+        pages = -(-self.seq_len // block_size)
+        block_tables = permuted_block_tables(self.batch, pages, self.generator, self.key.device)
+        padded = pages * block_size - self.seq_len
+        key, value = (F.pad(t, (0, 0, 0, padded)) for t in (self.key, self.value))
+        key_cache, value_cache, scales = quantized_pages(key, value, block_size, block_tables, kind)
+        seq_lens = [self.seq_len] * self.batch
+        workspace = DequantWorkspace(block_tables, seq_lens, block_size, key.device)
+        spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE)
+        plan = hand_plan(
+            spec, provider, [self.query_len] * self.batch, seq_lens, workspace.block_tables,
+            num_decodes=0,
+        )  # fmt: skip
+        query = self.query.transpose(1, 2).reshape(-1, HEADS, HEAD_SIZE).contiguous()
+        out = torch.empty_like(query)
+        rows = []
+        for dense in (self.key, self.value):
+            new = dense[:, :, self.seq_len - self.query_len :].transpose(1, 2)
+            rows.append(new.reshape(-1, KV_HEADS, HEAD_SIZE).contiguous())
+
+        flush = torch.empty(256 << 20, dtype=torch.int8, device=key.device)  # > L2
+
+        def dequant() -> tuple[torch.Tensor, torch.Tensor]:
+            return workspace.fill(key_cache, value_cache, scales)
+
+        def pool_attend() -> torch.Tensor:
+            provider.attend(query, workspace.key, workspace.value, plan, out, rows[0], rows[1])
+            return out
+
+        def attend() -> torch.Tensor:
+            dequant()
+            return pool_attend()
+
+        def flush_between() -> torch.Tensor:
+            dequant()
+            flush.zero_()
+            return pool_attend()
+
+        runners = {
+            "dequant_workspace_graph": attend,
+            "dequant_only_graph": dequant,
+            "pool_attend_graph": pool_attend,
+            "dequant_flush_attend_graph": flush_between,
+            "flush_graph": flush.zero_,
+        }
+        pool_k, pool_v = dequant()
+        errors = []
+        for cache, pool, scale in ((key_cache, pool_k, scales.k), (value_cache, pool_v, scales.v)):
+            for r in range(self.batch):
+                blocks = block_tables[r].long()
+                if scale.dim() == 3:
+                    expected = kv_quant.dequantize(cache[blocks], scale[blocks].unsqueeze(-1))
+                else:
+                    expected = kv_quant.dequantize(cache[blocks], scale)
+                got = pool[workspace.block_tables[r].long()].float()
+                errors.append((got - expected.to(DTYPE).float()).abs().max().item())
+        return runners, max(errors)
+
     def as_sdpa_layout(self, out: torch.Tensor) -> torch.Tensor:
         return out.view(self.batch, self.query_len, HEADS, HEAD_SIZE).transpose(1, 2)
+
+
+@triton.jit
+def _dequant_pages_kernel(
+    k_codes, v_codes, k_scales, v_scales, k_pool, v_pool, block_tables, seq_lens, base,
+    stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+    BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    ROWS: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr,
+):  # fmt: skip
+    """``ROWS`` (slot, head) rows of request ``program_id(0)``'s page ``program_id(1)``:
+    ``code * scale`` in float32, stored in the pool's dtype at page ``base[r] + j``."""
+    req = tl.program_id(0)
+    page = tl.program_id(1)
+    if page * BLOCK_SIZE >= tl.load(seq_lens + req):
+        return
+    block = tl.load(block_tables + req * stride_bt + page).to(tl.int64)
+    dst = (tl.load(base + req) + page).to(tl.int64)
+    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    slot, head = rows // KV_HEADS, rows % KV_HEADS
+    cols = tl.arange(0, HEAD_SIZE)
+    k = tl.load(k_codes + block * stride_kb + (slot * stride_kt + head * stride_kh)[:, None]
+                + cols[None, :]).to(tl.float32)  # fmt: skip
+    v = tl.load(v_codes + block * stride_vb + (slot * stride_vt + head * stride_vh)[:, None]
+                + cols[None, :]).to(tl.float32)  # fmt: skip
+    if PER_TOKEN_HEAD:
+        k_rows = k_scales + block * stride_ksb + slot * stride_kst + head * stride_ksh
+        v_rows = v_scales + block * stride_vsb + slot * stride_vst + head * stride_vsh
+        k = k * tl.load(k_rows)[:, None]
+        v = v * tl.load(v_rows)[:, None]
+    else:
+        k = k * tl.load(k_scales)
+        v = v * tl.load(v_scales)
+    out = dst * (BLOCK_SIZE * KV_HEADS * HEAD_SIZE) + rows[:, None] * HEAD_SIZE + cols[None, :]
+    tl.store(k_pool + out, k.to(k_pool.dtype.element_ty))
+    tl.store(v_pool + out, v.to(v_pool.dtype.element_ty))
+
+
+class DequantWorkspace:
+    """A compact 16-bit page pool for the pages a step's requests reference.
+
+    ``block_tables`` int32 ``[batch, max_pages]`` and ``seq_lens`` (host ints) fix the
+    pool: ``sum(cdiv(seq_len, block_size))`` pages of ``[block_size, kv_heads,
+    head_size]`` (K and V, ``DTYPE``); ``self.block_tables`` maps request ``r``'s page
+    ``j`` to pool page ``base[r] + j``.
+    """
+
+    ROWS = 64  # (slot, head) rows per program
+
+    def __init__(
+        self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        if (block_size * KV_HEADS) % self.ROWS:
+            raise ValueError(f"block_size * kv_heads must divide by {self.ROWS}, got {block_size}")
+        counts = [-(-n // block_size) for n in seq_lens]
+        starts = [sum(counts[:r]) for r in range(len(counts))]
+        self.block_size, self.max_pages = block_size, max(counts)
+        self.source_tables = block_tables
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.base = torch.tensor(starts, dtype=torch.int32, device=device)
+        self.block_tables = (
+            self.base[:, None] + torch.arange(block_tables.shape[1], device=device)[None, :]
+        ).to(torch.int32)
+        shape = (sum(counts), block_size, KV_HEADS, HEAD_SIZE)
+        self.key = torch.empty(shape, dtype=DTYPE, device=device)
+        self.value = torch.empty(shape, dtype=DTYPE, device=device)
+
+    def fill(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, scales: KVScales
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize the referenced pages of the 8-bit caches into the pool (one launch)."""
+        per_token_head = scales.k.dim() == 3
+        ks = scales.k.stride() if per_token_head else (0, 0, 0)
+        vs = scales.v.stride() if per_token_head else (0, 0, 0)
+        grid = (self.seq_lens.shape[0], self.max_pages, self.block_size * KV_HEADS // self.ROWS)
+        _dequant_pages_kernel[grid](
+            key_cache, value_cache, scales.k, scales.v, self.key, self.value,
+            self.source_tables, self.seq_lens, self.base, self.source_tables.stride(0),
+            *key_cache.stride()[:3], *value_cache.stride()[:3], *ks, *vs,
+            BLOCK_SIZE=self.block_size, KV_HEADS=KV_HEADS, HEAD_SIZE=HEAD_SIZE,
+            ROWS=self.ROWS, PER_TOKEN_HEAD=per_token_head, num_warps=4,
+        )  # fmt: skip
+        return self.key, self.value
+
+
+def graphed(fn):
+    """``fn`` captured as one CUDA graph; the returned callable replays it and returns
+    what ``fn`` returned at capture (its output buffers)."""
+    for _ in range(2):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+
+    def replay():
+        graph.replay()
+        return result
+
+    return replay
 
 
 def measure(
@@ -295,6 +476,15 @@ def prefill_variant_rows(
             provider = TritonProvider()
             provider.prefill_launch_8bit = launch
             calls[name] = problem.layer_runner(provider, block_size, kind, attend_only=True)
+        checked = {}
+        if names is None or "dequant_workspace" in names:
+            calls["bf16_graph"] = graphed(calls["bf16"])
+            calls["default_graph"] = graphed(calls["default"])
+            runners, checked["dequant_only_graph"] = problem.workspace_runners(
+                TritonProvider(), block_size, kind
+            )
+            checked["flush_graph"] = None
+            calls.update({label: graphed(run) for label, run in runners.items()})
         errors = {}
         for label, run in list(calls.items()):
             try:
@@ -303,13 +493,17 @@ def prefill_variant_rows(
                 print(f"skip {label}: {type(error).__name__}: {error}"[:300])
                 del calls[label]
                 continue
-            if not label.endswith("_write"):
+            if label in checked:
+                if checked[label] is not None:
+                    errors[label] = checked[label]
+            elif not label.endswith("_write"):
                 errors[label] = (problem.as_sdpa_layout(result).float() - expected).abs().max()
         timed = _timing.interleaved_median_ms(calls, rounds)
         for label, (ms, spread) in timed.items():
+            bf16 = timed["bf16_graph" if label.endswith("_graph") else "bf16"][0]
             rows.append({
                 "block": block_size, "call": label, "ms": ms,
-                "vs_bf16": ms / timed["bf16"][0], "spread_%": spread,
+                "vs_bf16": ms / bf16, "spread_%": spread,
                 "max_err": float(errors[label]) if label in errors else "",
             })  # fmt: skip
     return rows
