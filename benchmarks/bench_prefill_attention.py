@@ -35,7 +35,8 @@ the dequantization alone, its ``max_err`` its largest difference from
 ``kv_quant.dequantize``; ``pool_attend_graph``: the attention alone over the filled
 pool; ``dequant_flush_attend_graph``: the two with the L2 cache flushed between them,
 ``flush_graph`` that flush alone), beside graph replays of the 16-bit and the 8-bit
-chunk (``vs_bf16`` of a ``_graph`` row is against ``bf16_graph``).
+chunk (``vs_bf16`` of a ``_graph`` row is against ``bf16_graph``). ``--prefix N``
+sets the chunk's cached prefix (default 4096).
 
     python benchmarks/bench_prefill_attention.py [--tune] [--rounds 3]
     python benchmarks/bench_prefill_attention.py --kv-cache-dtype fp8
@@ -454,13 +455,18 @@ PREFILL_VARIANTS_8BIT = {
 
 
 def prefill_variant_rows(
-    device: torch.device, kind: str, rounds: int, names: list[str] | None = None
+    device: torch.device,
+    kind: str,
+    rounds: int,
+    names: list[str] | None = None,
+    prefix: int = PROBLEMS["chunk_after_prefix"][2],
 ) -> list[dict[str, Any]]:
-    """The chunk after a prefix: attention alone (no write) over the 16-bit pages and
-    over ``kind``'s pages with each of ``PREFILL_VARIANTS_8BIT`` (``names``: those
-    only), interleaved; and the write alone of each cache."""
+    """The chunk after a ``prefix``-token prefix: attention alone (no write) over the
+    16-bit pages and over ``kind``'s pages with each of ``PREFILL_VARIANTS_8BIT``
+    (``names``: those only), interleaved; and the write alone of each cache."""
     rows = []
-    problem = PrefillProblem(*PROBLEMS["chunk_after_prefix"], device)
+    batch, query_len, _ = PROBLEMS["chunk_after_prefix"]
+    problem = PrefillProblem(batch, query_len, prefix, device)
     expected = problem.sdpa_runner()().float()
     for block_size in (128, 16):
         calls = {"bf16": problem.layer_runner(TritonProvider(), block_size, attend_only=True),
@@ -569,14 +575,26 @@ def main() -> None:
         help="with --kv-cache-dtype: the chunk's attention under each 8-bit launch "
         "(or those named, comma-separated)",
     )
+    parser.add_argument(
+        "--prefix",
+        type=int,
+        default=PROBLEMS["chunk_after_prefix"][2],
+        help="with --prefill-variants: the chunk's cached prefix in tokens",
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
     if args.kv_cache_dtype and args.prefill_variants:
         names = None if args.prefill_variants == "all" else args.prefill_variants.split(",")
-        rows = prefill_variant_rows(device, args.kv_cache_dtype, args.rounds, names)
-        print(f"kv_cache_dtype={args.kv_cache_dtype} on {torch.cuda.get_device_name(device)}")
+        kind = args.kv_cache_dtype
+        rows = prefill_variant_rows(device, kind, args.rounds, names, args.prefix)
+        floor = _timing.graph_launch_floor_ms(device)
+        print(f"kv_cache_dtype={kind}, prefix {args.prefix} on "
+              f"{torch.cuda.get_device_name(device)}; graph launch floor {floor:.4f} ms")  # fmt: skip
         _timing.print_table(list(rows[0]), rows)
-        _timing.write_json(f"prefill_variants_{args.kv_cache_dtype}", {"rows": rows})
+        name = f"prefill_variants_{kind}"
+        if args.prefix != PROBLEMS["chunk_after_prefix"][2]:
+            name += f"_prefix{args.prefix}"
+        _timing.write_json(name, {"prefix": args.prefix, "graph_floor_ms": floor, "rows": rows})
         return
     if args.kv_cache_dtype:
         rows = kv_cache_dtype_rows(device, args.kv_cache_dtype, args.rounds)
