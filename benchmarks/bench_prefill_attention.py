@@ -171,12 +171,8 @@ class PrefillProblem:
         positions = torch.arange(self.seq_len - self.query_len, self.seq_len, device=key.device)
         blocks = block_tables[:, positions // block_size].long()
         plan.slot_mapping = (blocks * block_size + positions % block_size).reshape(-1)
-        query = self.query.transpose(1, 2).reshape(-1, HEADS, HEAD_SIZE).contiguous()
+        query, rows = self.token_rows()
         out = torch.empty_like(query)
-        rows = []
-        for dense in (self.key, self.value):
-            new = dense[:, :, self.seq_len - self.query_len :].transpose(1, 2)
-            rows.append(new.reshape(-1, KV_HEADS, HEAD_SIZE).contiguous())
 
         def run() -> torch.Tensor:
             if not attend_only:
@@ -186,6 +182,16 @@ class PrefillProblem:
             return out
 
         return run
+
+    def token_rows(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's query ``[tokens, heads, head_size]`` and its new key and value
+        rows ``[tokens, kv_heads, head_size]``, token-major as ``attend`` takes them."""
+        query = self.query.transpose(1, 2).reshape(-1, HEADS, HEAD_SIZE).contiguous()
+        rows = []
+        for dense in (self.key, self.value):
+            new = dense[:, :, self.seq_len - self.query_len :].transpose(1, 2)
+            rows.append(new.reshape(-1, KV_HEADS, HEAD_SIZE).contiguous())
+        return query, rows
 
     def workspace_runners(self, provider: TritonProvider, block_size: int, kind: str):
         """``(runners, dequant_err)``. ``runners``: the chunk over ``kind``'s pages (new
@@ -207,12 +213,8 @@ class PrefillProblem:
             spec, provider, [self.query_len] * self.batch, seq_lens, workspace.block_tables,
             num_decodes=0,
         )  # fmt: skip
-        query = self.query.transpose(1, 2).reshape(-1, HEADS, HEAD_SIZE).contiguous()
+        query, rows = self.token_rows()
         out = torch.empty_like(query)
-        rows = []
-        for dense in (self.key, self.value):
-            new = dense[:, :, self.seq_len - self.query_len :].transpose(1, 2)
-            rows.append(new.reshape(-1, KV_HEADS, HEAD_SIZE).contiguous())
 
         flush = torch.empty(256 << 20, dtype=torch.int8, device=key.device)  # > L2
 
