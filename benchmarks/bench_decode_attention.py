@@ -204,8 +204,8 @@ def quantized_pages_of(problem: DecodeProblem, block_size: int, kind: str):
 
 
 def _head_major_pages(cache: torch.Tensor) -> torch.Tensor:
-    """``cache`` ``[num_blocks, block_size, kv_heads, head_size]`` (same values) with
-    each KV head's tokens of a page contiguous."""
+    """``cache`` ``[num_blocks, block_size, kv_heads, ...]`` (same values) with each KV
+    head's tokens of a page contiguous."""
     return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
@@ -214,7 +214,7 @@ def head_major(scales: KVScales) -> KVScales:
     contiguous; per-tensor scales as they are."""
     if scales.k.dim() != 3:
         return scales
-    return KVScales(*(s.transpose(1, 2).contiguous().transpose(1, 2) for s in scales))
+    return KVScales(*(_head_major_pages(s) for s in scales))
 
 
 def quantized_runner(problem: DecodeProblem, provider: TritonProvider, pages, kind: str,

@@ -216,8 +216,9 @@ def hopper_decode(
     dtype = gl.float16 if query.dtype == torch.float16 else gl.bfloat16
     kv_quant, scale_args = _scale_args(k_scale, v_scale, out)
     page_dtype = dtype if kv_quant == 0 else _GL_PAGES[key_cache.dtype]
-    k_desc = _page_descriptor(key_cache, page_rows, page_dtype)
-    v_desc = _page_descriptor(value_cache, page_rows, page_dtype)
+    head_major = _page_order(key_cache, key_cache.dtype) == "head_major"
+    k_desc = _page_descriptor(key_cache, page_rows, page_dtype, head_major)
+    v_desc = _page_descriptor(value_cache, page_rows, page_dtype, head_major)
     split = num_splits > 1
     partial_out, partial_lse = split_buffers(out, num_splits, head_size) if split else (out, out)
     write_lse = lse is not None and not split
@@ -250,7 +251,7 @@ def hopper_decode(
         SPLIT=split,
         WRITE_LSE=write_lse,
         KV_QUANT=kv_quant,
-        HEAD_MAJOR=_page_order(key_cache, key_cache.dtype) == "head_major",
+        HEAD_MAJOR=head_major,
         num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
@@ -270,14 +271,16 @@ def _scale_args(
     return 1, (k_scale, v_scale, *(0,) * 6)
 
 
-def _page_descriptor(cache: torch.Tensor, page_rows: int, dtype) -> "TensorDescriptor":
+def _page_descriptor(
+    cache: torch.Tensor, page_rows: int, dtype, head_major: bool = False
+) -> "TensorDescriptor":
     """A 2-D descriptor over ``cache`` in its order (:func:`_page_order`): rows
-    ``[num_blocks * block_size, kv_heads * head_size]`` or, head-major, ``[num_blocks *
-    kv_heads * block_size, head_size]``; a box is ``page_rows`` rows of one page and one
-    KV head."""
+    ``[num_blocks * block_size, kv_heads * head_size]`` or, ``head_major``,
+    ``[num_blocks * kv_heads * block_size, head_size]`` (one KV head: the same rows); a
+    box is ``page_rows`` rows of one page and one KV head."""
     num_blocks, block_size, kv_heads, head_size = cache.shape
     layout = nvmma_shared_layout(page_rows, head_size, dtype)
-    if _page_order(cache, cache.dtype) == "head_major":
+    if head_major:
         rows, row_stride = [num_blocks * kv_heads * block_size, head_size], head_size
     else:
         rows, row_stride = [num_blocks * block_size, kv_heads * head_size], cache.stride(1)
