@@ -36,16 +36,61 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def queued_median_ms(fn: Callable[[], Any], reps: int = 20, hold_ms: float = 10.0) -> float:
+    """Median device time of ``fn`` with its launches queued ahead of the GPU, as when
+    the host runs ahead of a model's layers: before each call the L2 cache is flushed
+    and the stream held busy for about ``hold_ms`` (``torch.cuda._sleep``) while the
+    host issues ``fn``, so that the timed span holds the device's work alone, back to
+    back. For work a graph cannot capture; it must be issued within ``hold_ms``."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    cycles = _cycles(hold_ms)
+    fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        torch.cuda._sleep(cycles)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def host_issue_us(fn: Callable[[], Any], calls: int = 20, hold_ms: float = 50.0) -> float:
+    """Host time to issue one call of ``fn`` (microseconds, the mean of ``calls``), the
+    stream held busy meanwhile so that no launch waits for the device."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_cycles(hold_ms))
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = time.perf_counter() - begin
+    torch.cuda.synchronize()
+    return seconds / calls * 1e6
+
+
+def _cycles(ms: float) -> int:
+    """GPU clock cycles that last at least ``ms`` at clocks up to 2 GHz."""
+    return int(ms * 2e6)
+
+
 def interleaved_median_ms(
-    fns: dict[str, Callable[[], Any]], rounds: int = 3
+    fns: dict[str, Callable[[], Any]],
+    rounds: int = 3,
+    timer: Callable[[Callable[[], Any]], float] = median_ms,
 ) -> dict[str, tuple[float, float]]:
-    """Each of ``fns`` timed in ``rounds`` interleaved rounds (one ``median_ms`` of every
-    function per round, so that clock and temperature drift reach them alike): its
-    median over the rounds and the rounds' spread (max - min) in percent of it."""
+    """Each of ``fns`` timed by ``timer`` in ``rounds`` interleaved rounds (one timing
+    of every function per round, so that clock and temperature drift reach them alike):
+    its median over the rounds and the rounds' spread (max - min) in percent of it."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            samples[name].append(median_ms(fn))
+            samples[name].append(timer(fn))
     result = {}
     for name, values in samples.items():
         middle = sorted(values)[len(values) // 2]

@@ -21,22 +21,23 @@ settles at differs from the first call's); ``spread_%`` is the largest spread of
 row's calls over the rounds.
 
 With ``--kv-cache-dtype KIND`` only the 16-bit cache and the 8-bit cache of ``KIND``
-are timed, each as ``npu_attention.run`` runs a layer: the new tokens' K/V written
-into the pages (quantized for ``KIND``), then attention (``bf16_ms``, ``kind_ms``,
-``ratio`` = kind / bf16; a prefill without cached context attends over its own rows
-either way, a chunk after a prefix reads the pages).
+are timed, each as a model's forward runs its layers: ``LAYERS`` layers in sequence, one
+plan for the step, each layer with its own pages, the new tokens' K/V written into them
+(quantized for ``KIND``), then attention; a row is one layer's share of the device
+time, the launches queued ahead of the GPU as when the host runs ahead of a model
+(``_timing.queued_median_ms``: ``bf16_ms``, ``kind_ms``, ``ratio`` = kind / bf16;
+``in_kernel_ratio``: ``KIND`` with no page pool), and ``host_us`` the host time to
+issue one layer of each. A prefill without cached context attends over its own rows
+either way; a chunk after a prefix reads the pages, through the 16-bit page pool the
+provider dequantizes them into once a layer where it takes one.
 
-With ``--prefill-variants ...,dequant_workspace`` (a prototype, not in the provider):
-the chunk's 8-bit pages (prefix and the chunk's own rows, already written) are first
-dequantized by one kernel into a compact 16-bit page pool (request ``r``'s page ``j``
-at ``base[r] + j``), then the provider's 16-bit attention runs over the pool. It is
-timed as one CUDA-graph replay (``dequant_workspace_graph``; ``dequant_only_graph``:
-the dequantization alone, its ``max_err`` its largest difference from
-``kv_quant.dequantize``; ``pool_attend_graph``: the attention alone over the filled
-pool; ``dequant_flush_attend_graph``: the two with the L2 cache flushed between them,
-``flush_graph`` that flush alone), beside graph replays of the 16-bit and the 8-bit
-chunk (``vs_bf16`` of a ``_graph`` row is against ``bf16_graph``). ``--prefix N``
-sets the chunk's cached prefix (default 4096).
+With ``--prefill-variants [NAMES]`` the chunk's attention alone, one call each: over
+16-bit pages (``bf16``), over ``KIND``'s pages as the provider runs it (``default``),
+converting in the kernel at the provider's 8-bit launch (``in_kernel``) and at each
+launch of ``PREFILL_VARIANTS_8BIT``, and the write alone of each cache, timed the same
+way (``bf16_graph``, ``in_kernel_graph``: CUDA-graph replays of those calls, a check
+of the timer); ``--prefix N``
+sets the chunk's cached prefix (default 4096), ``--query-len N`` its length (512).
 
     python benchmarks/bench_prefill_attention.py [--tune] [--rounds 3]
     python benchmarks/bench_prefill_attention.py --kv-cache-dtype fp8
@@ -50,19 +51,16 @@ from typing import Any
 import _timing  # first: puts the packages' src on sys.path
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from _paged_batch import attention_flops, causal_pairs, hand_plan, page_kv, permuted_block_tables
 from _quantized_pages import quantized_pages
 from torch.nn.attention.bias import causal_lower_right
 
-from npu_attention import kv_quant
-from npu_attention.kv_quant import KVScales
 from npu_attention.providers.triton import TritonProvider
 from npu_attention.spec import AttentionSpec
 
 HEADS, KV_HEADS, HEAD_SIZE, DTYPE = 32, 8, 128, torch.bfloat16
 PROBLEMS = {"prefill": (8, 2048, 0), "chunk_after_prefix": (1, 512, 4096)}
+LAYERS = 8  # layers timed in sequence by --kv-cache-dtype
 
 
 class PrefillProblem:
@@ -143,27 +141,30 @@ class PrefillProblem:
         block_size: int,
         kind: str = "auto",
         *,
+        layers: int = 1,
         attend_only: bool = False,
         write_only: bool = False,
     ):
-        """A layer as ``npu_attention.run`` runs it: the new rows written into the pages
-        (8-bit pages of ``kind`` unless ``auto``), then attention (``attend_only`` /
-        ``write_only``: one of the two; the pages already hold the new rows)."""
+        """``layers`` layers in sequence as ``npu_attention.run`` runs each, under one
+        plan: the new rows written into the layer's pages (8-bit pages of ``kind``
+        unless ``auto``), then attention (``attend_only`` / ``write_only``: one of the
+        two; the pages already hold the new rows). Returns the last layer's output."""
         spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE,
                              kv_cache_dtype=kind)  # fmt: skip
         pages = -(-self.seq_len // block_size)
         block_tables = permuted_block_tables(self.batch, pages, self.generator, self.key.device)
         padded = pages * block_size - self.seq_len
         key, value = (F.pad(t, (0, 0, 0, padded)) for t in (self.key, self.value))
-        extra = {}
-        if kind == "auto":
-            key_cache = page_kv(key, block_size, block_tables)
-            value_cache = page_kv(value, block_size, block_tables)
-        else:
-            key_cache, value_cache, scales = quantized_pages(
-                key, value, block_size, block_tables, kind
-            )
-            extra["scales"] = scales
+        caches = []
+        for _ in range(layers):
+            if kind == "auto":
+                k_pages = page_kv(key, block_size, block_tables)
+                caches.append((k_pages, page_kv(value, block_size, block_tables), {}))
+            else:
+                k_pages, v_pages, scales = quantized_pages(
+                    key, value, block_size, block_tables, kind
+                )
+                caches.append((k_pages, v_pages, {"scales": scales}))
         plan = hand_plan(
             spec, provider, [self.query_len] * self.batch, [self.seq_len] * self.batch,
             block_tables, num_decodes=0,
@@ -175,10 +176,13 @@ class PrefillProblem:
         out = torch.empty_like(query)
 
         def run() -> torch.Tensor:
-            if not attend_only:
-                provider.write_kv(rows[0], rows[1], key_cache, value_cache, plan, **extra)
-            if not write_only:
-                provider.attend(query, key_cache, value_cache, plan, out, rows[0], rows[1], **extra)
+            for key_cache, value_cache, extra in caches:
+                if not attend_only:
+                    provider.write_kv(rows[0], rows[1], key_cache, value_cache, plan, **extra)
+                if not write_only:
+                    provider.attend(
+                        query, key_cache, value_cache, plan, out, rows[0], rows[1], **extra
+                    )
             return out
 
         return run
@@ -193,170 +197,18 @@ class PrefillProblem:
             rows.append(new.reshape(-1, KV_HEADS, HEAD_SIZE).contiguous())
         return query, rows
 
-    def workspace_runners(self, provider: TritonProvider, block_size: int, kind: str):
-        """``(runners, dequant_err)``. ``runners``: the chunk over ``kind``'s pages (new
-        rows already written) as the 8-bit pages dequantized into a 16-bit pool, then the
-        16-bit attention over the pool (``dequant_workspace_graph``); the dequantization
-        alone; the attention alone over the filled pool; the two with the L2 cache
-        flushed between them (the pool read from memory, as when it outgrows L2), and
-        that flush alone. ``dequant_err``: the pool's largest difference from
-        ``kv_quant.dequantize`` (cast to the model dtype)."""
-        pages = -(-self.seq_len // block_size)
-        block_tables = permuted_block_tables(self.batch, pages, self.generator, self.key.device)
-        padded = pages * block_size - self.seq_len
-        key, value = (F.pad(t, (0, 0, 0, padded)) for t in (self.key, self.value))
-        key_cache, value_cache, scales = quantized_pages(key, value, block_size, block_tables, kind)
-        seq_lens = [self.seq_len] * self.batch
-        workspace = DequantWorkspace(block_tables, seq_lens, block_size, key.device)
-        spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, block_size=block_size, dtype=DTYPE)
-        plan = hand_plan(
-            spec, provider, [self.query_len] * self.batch, seq_lens, workspace.block_tables,
-            num_decodes=0,
-        )  # fmt: skip
-        query, rows = self.token_rows()
-        out = torch.empty_like(query)
-
-        flush = torch.empty(256 << 20, dtype=torch.int8, device=key.device)  # > L2
-
-        def dequant() -> tuple[torch.Tensor, torch.Tensor]:
-            return workspace.fill(key_cache, value_cache, scales)
-
-        def pool_attend() -> torch.Tensor:
-            provider.attend(query, workspace.key, workspace.value, plan, out, rows[0], rows[1])
-            return out
-
-        def attend() -> torch.Tensor:
-            dequant()
-            return pool_attend()
-
-        def flush_between() -> torch.Tensor:
-            dequant()
-            flush.zero_()
-            return pool_attend()
-
-        runners = {
-            "dequant_workspace_graph": attend,
-            "dequant_only_graph": dequant,
-            "pool_attend_graph": pool_attend,
-            "dequant_flush_attend_graph": flush_between,
-            "flush_graph": flush.zero_,
-        }
-        pool_k, pool_v = dequant()
-        errors = []
-        for cache, pool, scale in ((key_cache, pool_k, scales.k), (value_cache, pool_v, scales.v)):
-            for r in range(self.batch):
-                blocks = block_tables[r].long()
-                if scale.dim() == 3:
-                    expected = kv_quant.dequantize(cache[blocks], scale[blocks].unsqueeze(-1))
-                else:
-                    expected = kv_quant.dequantize(cache[blocks], scale)
-                got = pool[workspace.block_tables[r].long()].float()
-                errors.append((got - expected.to(DTYPE).float()).abs().max().item())
-        return runners, max(errors)
-
     def as_sdpa_layout(self, out: torch.Tensor) -> torch.Tensor:
         return out.view(self.batch, self.query_len, HEADS, HEAD_SIZE).transpose(1, 2)
 
 
-@triton.jit
-def _dequant_pages_kernel(
-    k_codes, v_codes, k_scales, v_scales, k_pool, v_pool, block_tables, seq_lens, base,
-    stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-    BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    ROWS: tl.constexpr, PER_TOKEN_HEAD: tl.constexpr,
-):  # fmt: skip
-    """``ROWS`` (slot, head) rows of request ``program_id(0)``'s page ``program_id(1)``:
-    ``code * scale`` in float32, stored in the pool's dtype at page ``base[r] + j``."""
-    req = tl.program_id(0)
-    page = tl.program_id(1)
-    if page * BLOCK_SIZE >= tl.load(seq_lens + req):
-        return
-    block = tl.load(block_tables + req * stride_bt + page).to(tl.int64)
-    dst = (tl.load(base + req) + page).to(tl.int64)
-    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
-    slot, head = rows // KV_HEADS, rows % KV_HEADS
-    cols = tl.arange(0, HEAD_SIZE)
-    k = tl.load(k_codes + block * stride_kb + (slot * stride_kt + head * stride_kh)[:, None]
-                + cols[None, :]).to(tl.float32)  # fmt: skip
-    v = tl.load(v_codes + block * stride_vb + (slot * stride_vt + head * stride_vh)[:, None]
-                + cols[None, :]).to(tl.float32)  # fmt: skip
-    if PER_TOKEN_HEAD:
-        k_rows = k_scales + block * stride_ksb + slot * stride_kst + head * stride_ksh
-        v_rows = v_scales + block * stride_vsb + slot * stride_vst + head * stride_vsh
-        k = k * tl.load(k_rows)[:, None]
-        v = v * tl.load(v_rows)[:, None]
-    else:
-        k = k * tl.load(k_scales)
-        v = v * tl.load(v_scales)
-    out = dst * (BLOCK_SIZE * KV_HEADS * HEAD_SIZE) + rows[:, None] * HEAD_SIZE + cols[None, :]
-    tl.store(k_pool + out, k.to(k_pool.dtype.element_ty))
-    tl.store(v_pool + out, v.to(v_pool.dtype.element_ty))
-
-
-class DequantWorkspace:
-    """A compact 16-bit page pool for the pages a step's requests reference.
-
-    ``block_tables`` int32 ``[batch, max_pages]`` and ``seq_lens`` (host ints) fix the
-    pool: ``sum(cdiv(seq_len, block_size))`` pages of ``[block_size, kv_heads,
-    head_size]`` (K and V, ``DTYPE``); ``self.block_tables`` maps request ``r``'s page
-    ``j`` to pool page ``base[r] + j``.
-    """
-
-    ROWS = 64  # (slot, head) rows per program
-
-    def __init__(
-        self, block_tables: torch.Tensor, seq_lens: list[int], block_size: int,
-        device: torch.device,
-    ) -> None:  # fmt: skip
-        if (block_size * KV_HEADS) % self.ROWS:
-            raise ValueError(f"block_size * kv_heads must divide by {self.ROWS}, got {block_size}")
-        counts = [-(-n // block_size) for n in seq_lens]
-        starts = [sum(counts[:r]) for r in range(len(counts))]
-        self.block_size, self.max_pages = block_size, max(counts)
-        self.source_tables = block_tables
-        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        self.base = torch.tensor(starts, dtype=torch.int32, device=device)
-        self.block_tables = (
-            self.base[:, None] + torch.arange(block_tables.shape[1], device=device)[None, :]
-        ).to(torch.int32)
-        shape = (sum(counts), block_size, KV_HEADS, HEAD_SIZE)
-        self.key = torch.empty(shape, dtype=DTYPE, device=device)
-        self.value = torch.empty(shape, dtype=DTYPE, device=device)
-
-    def fill(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, scales: KVScales
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantize the referenced pages of the 8-bit caches into the pool (one launch)."""
-        per_token_head = scales.k.dim() == 3
-        ks = scales.k.stride() if per_token_head else (0, 0, 0)
-        vs = scales.v.stride() if per_token_head else (0, 0, 0)
-        grid = (self.seq_lens.shape[0], self.max_pages, self.block_size * KV_HEADS // self.ROWS)
-        _dequant_pages_kernel[grid](
-            key_cache, value_cache, scales.k, scales.v, self.key, self.value,
-            self.source_tables, self.seq_lens, self.base, self.source_tables.stride(0),
-            *key_cache.stride()[:3], *value_cache.stride()[:3], *ks, *vs,
-            BLOCK_SIZE=self.block_size, KV_HEADS=KV_HEADS, HEAD_SIZE=HEAD_SIZE,
-            ROWS=self.ROWS, PER_TOKEN_HEAD=per_token_head, num_warps=4,
-        )  # fmt: skip
-        return self.key, self.value
-
-
-def graphed(fn):
-    """``fn`` captured as one CUDA graph; the returned callable replays it and returns
-    what ``fn`` returned at capture (its output buffers)."""
-    for _ in range(2):  # compile and warm up outside the capture
-        fn()
+def graph_replay(fn):
+    """A replay of ``fn`` captured as one CUDA graph."""
+    fn()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        result = fn()
-
-    def replay():
-        graph.replay()
-        return result
-
-    return replay
+        fn()
+    return graph.replay
 
 
 def measure(
@@ -378,27 +230,37 @@ def checked_runner(
 
 
 def kv_cache_dtype_rows(device: torch.device, kind: str, rounds: int) -> list[dict[str, Any]]:
-    """The 16-bit and the ``kind`` cache on every problem and block size, interleaved."""
-    provider = TritonProvider()
+    """The 16-bit and the ``kind`` cache on every problem and block size, interleaved;
+    ``in_kernel_ratio``: ``kind`` with no page pool (converted in the kernel)."""
+    provider, in_kernel = TritonProvider(), TritonProvider()
+    in_kernel.dequant_pool_bytes = 0
     rows = []
     for name, shape in PROBLEMS.items():
         problem = PrefillProblem(*shape, device)
         expected = problem.sdpa_runner()().float()
         for block_size in (128, 16):
-            calls = {"bf16": problem.layer_runner(provider, block_size),
-                     kind: problem.layer_runner(provider, block_size, kind)}  # fmt: skip
+            calls = {
+                label: problem.layer_runner(chosen, block_size, cache, layers=LAYERS)
+                for label, chosen, cache in (
+                    ("bf16", provider, "auto"), (kind, provider, kind),
+                    ("in_kernel", in_kernel, kind),
+                )
+            }  # fmt: skip
             errors = {
                 label: (problem.as_sdpa_layout(run()).float() - expected).abs().max().item()
                 for label, run in calls.items()
             }
-            timed = _timing.interleaved_median_ms(calls, rounds)
-            ms16, ms8 = timed["bf16"][0], timed[kind][0]
+            timed = _timing.interleaved_median_ms(calls, rounds, _timing.queued_median_ms)
+            ms16, ms8 = timed["bf16"][0] / LAYERS, timed[kind][0] / LAYERS
+            host = {label: _timing.host_issue_us(run) / LAYERS for label, run in calls.items()}
             rows.append({
                 "problem": name, "block": block_size, "bf16_ms": ms16, "kind_ms": ms8,
-                "ratio": ms8 / ms16, "bf16_TFLOP/s": problem.flops / (ms16 * 1e-3) / 1e12,
+                "ratio": ms8 / ms16, "in_kernel_ratio": timed["in_kernel"][0] / LAYERS / ms16,
                 "kind_TFLOP/s": problem.flops / (ms8 * 1e-3) / 1e12,
-                "spread_%": max(timed["bf16"][1], timed[kind][1]),
+                "spread_%": max(spread for _, spread in timed.values()),
                 "bf16_err": errors["bf16"], "kind_err": errors[kind],
+                "in_kernel_err": errors["in_kernel"],
+                "host_us": "/".join(f"{host[label]:.0f}" for label in calls),
             })  # fmt: skip
         del problem
         torch.cuda.empty_cache()
@@ -462,37 +324,31 @@ def prefill_variant_rows(
     rounds: int,
     names: list[str] | None = None,
     prefix: int = PROBLEMS["chunk_after_prefix"][2],
+    query_len: int = PROBLEMS["chunk_after_prefix"][1],
 ) -> list[dict[str, Any]]:
-    """The chunk after a ``prefix``-token prefix: attention alone (no write) over the
-    16-bit pages and over ``kind``'s pages with each of ``PREFILL_VARIANTS_8BIT``
-    (``names``: those only), interleaved; and the write alone of each cache."""
+    """A ``query_len`` chunk after a ``prefix``-token prefix: attention alone (no
+    write) over the 16-bit pages and over ``kind``'s pages as the provider runs it, in
+    the kernel, and with each of ``PREFILL_VARIANTS_8BIT`` (``names``: those only),
+    interleaved; and the write alone of each cache."""
     rows = []
-    batch, query_len, _ = PROBLEMS["chunk_after_prefix"]
-    problem = PrefillProblem(batch, query_len, prefix, device)
+    problem = PrefillProblem(PROBLEMS["chunk_after_prefix"][0], query_len, prefix, device)
     expected = problem.sdpa_runner()().float()
     for block_size in (128, 16):
+        launches = {"default": TritonProvider(), "in_kernel": TritonProvider()}
+        for name, launch in PREFILL_VARIANTS_8BIT.items():
+            if names is None or name in names:
+                launches[name] = TritonProvider()
+                launches[name].prefill_launch_8bit = launch
+        for name, provider in launches.items():
+            if name != "default":
+                provider.dequant_pool_bytes = 0  # convert in the kernel
         calls = {"bf16": problem.layer_runner(TritonProvider(), block_size, attend_only=True),
                  "bf16_write": problem.layer_runner(TritonProvider(), block_size,
                                                     write_only=True),
                  f"{kind}_write": problem.layer_runner(TritonProvider(), block_size, kind,
-                                                       write_only=True),
-                 "default": problem.layer_runner(TritonProvider(), block_size, kind,
-                                                 attend_only=True)}  # fmt: skip
-        for name, launch in PREFILL_VARIANTS_8BIT.items():
-            if names is not None and name not in names:
-                continue
-            provider = TritonProvider()
-            provider.prefill_launch_8bit = launch
+                                                       write_only=True)}  # fmt: skip
+        for name, provider in launches.items():
             calls[name] = problem.layer_runner(provider, block_size, kind, attend_only=True)
-        checked = {}
-        if names is None or "dequant_workspace" in names:
-            calls["bf16_graph"] = graphed(calls["bf16"])
-            calls["default_graph"] = graphed(calls["default"])
-            runners, checked["dequant_only_graph"] = problem.workspace_runners(
-                TritonProvider(), block_size, kind
-            )
-            checked["flush_graph"] = None
-            calls.update({label: graphed(run) for label, run in runners.items()})
         errors = {}
         for label, run in list(calls.items()):
             try:
@@ -501,17 +357,15 @@ def prefill_variant_rows(
                 print(f"skip {label}: {type(error).__name__}: {error}"[:300])
                 del calls[label]
                 continue
-            if label in checked:
-                if checked[label] is not None:
-                    errors[label] = checked[label]
-            elif not label.endswith("_write"):
+            if not label.endswith("_write"):
                 errors[label] = (problem.as_sdpa_layout(result).float() - expected).abs().max()
-        timed = _timing.interleaved_median_ms(calls, rounds)
+        for label in ("bf16", "in_kernel"):  # the timer checked against graph replays
+            calls[f"{label}_graph"] = graph_replay(calls[label])
+        timed = _timing.interleaved_median_ms(calls, rounds, _timing.queued_median_ms)
         for label, (ms, spread) in timed.items():
-            bf16 = timed["bf16_graph" if label.endswith("_graph") else "bf16"][0]
             rows.append({
                 "block": block_size, "call": label, "ms": ms,
-                "vs_bf16": ms / bf16, "spread_%": spread,
+                "vs_bf16": ms / timed["bf16"][0], "spread_%": spread,
                 "max_err": float(errors[label]) if label in errors else "",
             })  # fmt: skip
     return rows
@@ -583,20 +437,27 @@ def main() -> None:
         default=PROBLEMS["chunk_after_prefix"][2],
         help="with --prefill-variants: the chunk's cached prefix in tokens",
     )
+    parser.add_argument(
+        "--query-len",
+        type=int,
+        default=PROBLEMS["chunk_after_prefix"][1],
+        help="with --prefill-variants: the chunk's length in tokens",
+    )
     args = parser.parse_args()
     device = _timing.require_cuda()
     if args.kv_cache_dtype and args.prefill_variants:
         names = None if args.prefill_variants == "all" else args.prefill_variants.split(",")
         kind = args.kv_cache_dtype
-        rows = prefill_variant_rows(device, kind, args.rounds, names, args.prefix)
-        floor = _timing.graph_launch_floor_ms(device)
-        print(f"kv_cache_dtype={kind}, prefix {args.prefix} on "
-              f"{torch.cuda.get_device_name(device)}; graph launch floor {floor:.4f} ms")  # fmt: skip
+        rows = prefill_variant_rows(device, kind, args.rounds, names, args.prefix, args.query_len)
+        print(f"kv_cache_dtype={kind}, {args.query_len} after {args.prefix} on "
+              f"{torch.cuda.get_device_name(device)}")  # fmt: skip
         _timing.print_table(list(rows[0]), rows)
         name = f"prefill_variants_{kind}"
         if args.prefix != PROBLEMS["chunk_after_prefix"][2]:
             name += f"_prefix{args.prefix}"
-        _timing.write_json(name, {"prefix": args.prefix, "graph_floor_ms": floor, "rows": rows})
+        if args.query_len != PROBLEMS["chunk_after_prefix"][1]:
+            name += f"_chunk{args.query_len}"
+        _timing.write_json(name, {"prefix": args.prefix, "query_len": args.query_len, "rows": rows})
         return
     if args.kv_cache_dtype:
         rows = kv_cache_dtype_rows(device, args.kv_cache_dtype, args.rounds)

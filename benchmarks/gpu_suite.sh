@@ -78,16 +78,16 @@ case $mode in
     final)
         part prefill 70 python benchmarks/bench_prefill_attention.py
         part mla_prefill 30 python benchmarks/bench_mla_prefill.py
-        part decode 120 python benchmarks/bench_decode_attention.py
+        part decode 110 python benchmarks/bench_decode_attention.py
         for kind in int8_per_token_head fp8 fp8_per_token_head; do  # both page orders
             part "decode_$kind" 55 python benchmarks/bench_decode_attention.py \
                 --kv-cache-dtype "$kind" --rounds 2
         done
         for kind in int8_per_token_head fp8; do
-            part "prefill_$kind" 35 python benchmarks/bench_prefill_attention.py \
+            part "prefill_$kind" 45 python benchmarks/bench_prefill_attention.py \
                 --kv-cache-dtype "$kind"
         done
-        part decoder_step 60 python benchmarks/bench_decoder_step.py --steps 30
+        part decoder_step 50 python benchmarks/bench_decoder_step.py --steps 30
         part mla_decode 30 python benchmarks/bench_mla_decode.py
         part mla_decode_128 35 python benchmarks/bench_mla_decode.py --heads 128
         ;;

@@ -96,23 +96,140 @@ def test_gpu_batch_states_and_head_sizes(kind: str, head_size: int) -> None:
         _check(case, out, quant, step)
 
 
-@pytest.mark.cuda
+def _record_pool_fills(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Calls of ``PagePool.fill`` from here on (the calls still run)."""
+    from npu_attention.providers.triton_kernels.dequant_pages import PagePool
+
+    fills, fill = [], PagePool.fill
+
+    def recording(pool, *args, **kwargs):
+        fills.append(pool)
+        fill(pool, *args, **kwargs)
+
+    monkeypatch.setattr(PagePool, "fill", recording)
+    return fills
+
+
 @pytest.mark.parametrize("kind", QUANTIZED_KINDS)
-@pytest.mark.parametrize("launch", ["8bit", "16bit"])
-def test_gpu_chunks_over_whole_page_tiles(
-    kind: str, launch: str, monkeypatch: pytest.MonkeyPatch
+def test_page_pool_holds_the_pages_dequantized(kind: str) -> None:
+    """Every referenced page of every request, K and V, equals ``kv_quant``'s
+    dequantization rounded to the model dtype (exactly) at its place in the pool's
+    tables; slots past a request's length (NaN codes and scales here) are zeros."""
+    from npu_attention import kv_quant
+    from npu_attention.providers.triton_kernels.dequant_pages import PagePool
+
+    spec = AttentionSpec(8, 2, 80, 16, dtype=DTYPE, kv_cache_dtype=kind)
+    case = make_case(spec, [3, 5, 1], [40, 17, 0], 0, device=DEVICE)
+    quant = quantized_paged(case)
+    paged = quant.paged
+    tables = paged.block_tables.to(DEVICE)
+    lens = case.context_lens  # the new rows are not written
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    pool = PagePool.for_step(lens, seq_lens, tables.shape[1], (16, 2, 80), DTYPE)
+    pool.fill(paged.key_cache, paged.value_cache, quant.k_scale, quant.v_scale, tables, seq_lens)
+    assert pool.key.shape == (3 + 2, 16, 2, 80)
+    per_token_head = spec.kv_scales is not ScaleKind.PER_TENSOR
+    for r, n in enumerate(lens):
+        for j in range(-(-n // 16)):
+            block, at = int(tables[r, j]), int(pool.tables[r, j])
+            for cache, scale, dequantized in ((paged.key_cache, quant.k_scale, pool.key),
+                                              (paged.value_cache, quant.v_scale, pool.value)):  # fmt: skip
+                s = scale[block].unsqueeze(-1) if per_token_head else scale
+                expected = kv_quant.dequantize(cache[block], s).to(DTYPE)
+                rows = min(16, n - 16 * j)
+                assert torch.equal(dequantized[at, :rows], expected[:rows]), (kind, r, j)
+                assert not dequantized[at, rows:].any(), (kind, r, j)
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+@pytest.mark.parametrize("pool_bytes", [64 << 20, 0])
+def test_chunks_through_a_page_pool(
+    kind: str, pool_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Prefill chunks after cached prefixes on 128-key pages (a K/V tile inside one
-    page), with the 8-bit prefill launch and with the 16-bit one."""
-    spec = AttentionSpec(32, 8, 128, 128, dtype=torch.bfloat16, kv_cache_dtype=kind)
-    case = make_case(spec, [200, 77], [390, 129], 0, pad_tokens=2, device="cuda")
-    provider = get_provider("triton", "cuda")
-    if launch == "16bit":
-        monkeypatch.setattr(provider, "prefill_launch_8bit", None)
-    else:
-        assert provider.prefill_launch_8bit is not None
+    """A prefill step over cached 8-bit pages whose tiles read each page often enough
+    goes through the 16-bit pool (one fill a layer); with no bytes for a pool it
+    converts in the kernel. Both against the oracle."""
+    provider = get_provider("triton", DEVICE)
+    monkeypatch.setattr(provider, "dequant_pool_bytes", pool_bytes)
+    monkeypatch.setattr(provider, "dequant_pool_min_reuse", 2)
+    fills = _record_pool_fills(monkeypatch)
+    spec = AttentionSpec(8, 2, 64, 16, dtype=DTYPE, kv_cache_dtype=kind)
+    case = make_case(spec, [70, 9], [33, 16], 0, pad_tokens=2, device=DEVICE)
     out, quant, step = run_quantized(case, provider="triton")
     assert step.state is BatchState.PREFILL_CACHE_HIT
+    assert (step.provider_data.pool is not None) == bool(pool_bytes)
+    assert len(fills) == bool(pool_bytes)
+    _check(case, out, quant, step)
+
+
+def test_decodes_and_short_chunks_convert_in_the_kernel() -> None:
+    """No pool where the 8-bit launch's tiles read each page fewer than
+    ``dequant_pool_min_reuse`` times: decodes, and a short chunk after a long prefix."""
+    spec = AttentionSpec(8, 2, 64, 16, dtype=DTYPE, kv_cache_dtype="fp8")
+    for q, ctx, decodes in (([1, 1], [40, 300], 2), ([1, 8], [40, 300], 1)):
+        case = make_case(spec, q, ctx, decodes, device=DEVICE)
+        quant = quantized_paged(case)
+        step = plan(case.cu_seqlens_q, case.seq_lens, quant.paged.block_tables.to(DEVICE),
+                    quant.paged.slot_mapping.to(DEVICE), decodes, spec, provider="triton")  # fmt: skip
+        assert step.provider_data.pool is None, (q, ctx)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", QUANTIZED_KINDS)
+@pytest.mark.parametrize("path", ["pool", "8bit", "16bit"])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_chunks_over_8bit_pages(
+    kind: str, path: str, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill chunks after cached prefixes: the referenced pages dequantized once into
+    a 16-bit pool (taken at these lengths), or converted in the kernel with the 8-bit
+    prefill launch and with the 16-bit one; 128-key pages hold a K/V tile, 16-key pages
+    several a tile."""
+    spec = AttentionSpec(32, 8, 128, block_size, dtype=torch.bfloat16, kv_cache_dtype=kind)
+    case = make_case(spec, [200, 77], [390, 129], 0, pad_tokens=2, device="cuda")
+    provider = get_provider("triton", "cuda")
+    fills = _record_pool_fills(monkeypatch)
+    if path != "pool":
+        monkeypatch.setattr(provider, "dequant_pool_bytes", 0)
+    if path == "16bit":
+        monkeypatch.setattr(provider, "prefill_launch_8bit", None)
+    out, quant, step = run_quantized(case, provider="triton")
+    assert step.state is BatchState.PREFILL_CACHE_HIT
+    assert len(fills) == (path == "pool")
+    _check(case, out, quant, step)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["fp8", "int8_per_token_head"])
+def test_gpu_captured_chunk_converts_in_the_kernel(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step planned with a pool but captured in a CUDA graph converts in the kernel
+    (the pool's size follows the lengths the graph would outlive); its replay matches
+    the oracle."""
+    spec = AttentionSpec(32, 8, 128, 16, dtype=torch.bfloat16, kv_cache_dtype=kind)
+    case = make_case(spec, [200, 77], [390, 129], 0, device="cuda")
+    quant = quantized_paged(case)
+    paged = quant.paged
+    step = plan(case.cu_seqlens_q, case.seq_lens, paged.block_tables.cuda(),
+                paged.slot_mapping.cuda(), 0, spec, provider="triton")  # fmt: skip
+    assert step.provider_data.pool is not None
+    key, value = case.new_kv()
+    out = torch.full_like(case.query, -3.0)
+    scales = {"k_scale": quant.k_scale, "v_scale": quant.v_scale}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile outside the capture
+        run(case.query, key, value, paged.key_cache, paged.value_cache, step, out, **scales)
+    torch.cuda.current_stream().wait_stream(side)
+    fills = _record_pool_fills(monkeypatch)
+    out.fill_(-3.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(case.query, key, value, paged.key_cache, paged.value_cache, step, out, **scales)
+    assert not fills
+    graph.replay()
+    torch.cuda.synchronize()
     _check(case, out, quant, step)
 
 

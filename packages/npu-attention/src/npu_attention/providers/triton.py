@@ -17,11 +17,16 @@ decodes whose programs fit one wave do so through the Gluon kernel of
 (and writes per-token-head scales); the Gluon decode (on Hopper, decodes of any
 number of waves) and the portable kernel load 8-bit pages and dequantize them in
 registers; a prefill without cached context still attends over its own rows in the
-model dtype (the Gluon prefill on Hopper).
+model dtype (the Gluon prefill on Hopper). A prefill that reads cached keys from 8-bit
+pages on a GPU, with enough query tiles over each page, first dequantizes the pages
+its requests reference into a 16-bit pool laid out once a step
+(``triton_kernels/dequant_pages.py``; not inside graph captures, since the pool's size
+follows the step's lengths) and runs the 16-bit kernel over it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -38,6 +43,7 @@ from npu_attention.spec import AttentionSpec, BatchState
 
 if TYPE_CHECKING:  # triton is optional: its kernels are imported where they run
     from npu_attention.providers.triton_kernels import AttentionLaunchConfig
+    from npu_attention.providers.triton_kernels.dequant_pages import PagePool
 
 _DECODE_STATES = (BatchState.DECODE_ONLY, BatchState.SPEC_DECODING)
 _MAX_KV_SPLITS = 64
@@ -56,7 +62,10 @@ class TritonStepData:
     kernel of ``hopper_decode.py`` (splits chosen for one program per multiprocessor,
     ``hopper_decode_programs_per_sm_8bit`` over 8-bit pages);
     ``hopper_long``: each of its programs reads at least ``hopper_decode_long_keys``
-    keys (the longest request's share), launched with ``hopper_decode_launch_long``.
+    keys (the longest request's share), launched with ``hopper_decode_launch_long``;
+    ``pool``: prefill tiles over 8-bit pages read them dequantized once a layer into
+    this 16-bit pool (``triton_kernels/dequant_pages.py``), attended as a cache of
+    ``pool_spec``; ``None``: they convert in the kernel.
     """
 
     decode_tiles: bool
@@ -64,6 +73,8 @@ class TritonStepData:
     one_wave: bool = False
     hopper_decode: bool = False
     hopper_long: bool = False
+    pool: PagePool | None = None
+    pool_spec: AttentionSpec | None = None
 
 
 class TritonProvider(AttentionProvider):
@@ -97,6 +108,10 @@ class TritonProvider(AttentionProvider):
         prefill_launch_8bit: the portable kernel's launch for prefills that read 8-bit
             pages (``None``: ``prefill_launch``); a ``fast_dequant`` key in it overrides
             ``fast_dequant_pages``.
+        dequant_pool_bytes, dequant_pool_min_reuse: a prefill step over 8-bit pages
+            dequantizes them once into a 16-bit pool of at most this many bytes (K and
+            V) when its query tiles read each page at least this many times on average
+            (0 bytes: never).
     """
 
     name: ClassVar[str] = "triton"
@@ -219,6 +234,11 @@ class TritonProvider(AttentionProvider):
             "num_warps": 4,
             "num_stages": 3,
         }
+        # Prefill steps over 8-bit pages read them from a 16-bit pool dequantized once a
+        # layer. The pool is memory vLLM's profile does not see (its profile step
+        # reads no cache), so it is capped: larger steps convert in the kernel.
+        self.dequant_pool_bytes = 256 << 20
+        self.dequant_pool_min_reuse = 8
 
     @classmethod
     def is_available(cls) -> bool:
@@ -246,7 +266,42 @@ class TritonProvider(AttentionProvider):
             one_wave = programs <= _multiprocessors(plan.device)
             share = -(-plan.max_seq_len // num_kv_splits)
             long = gluon and share >= self.hopper_decode_long_keys
-        return TritonStepData(decode_tiles, num_kv_splits, one_wave, gluon, long)
+        pool = None if decode_tiles else self._page_pool(plan)
+        pool_spec = None
+        if pool is not None:
+            pool_spec = dataclasses.replace(plan.spec, kv_cache_dtype="auto")
+        return TritonStepData(decode_tiles, num_kv_splits, one_wave, gluon, long, pool, pool_spec)
+
+    def _page_pool(self, plan: AttentionPlan) -> PagePool | None:
+        """The 16-bit pool a prefill step over cached 8-bit pages reads (outside a graph
+        capture), when both pools fit in ``dequant_pool_bytes`` and the 8-bit launch's
+        query tiles would read each page ``dequant_pool_min_reuse`` times or more on
+        average; else ``None``."""
+        spec = plan.spec
+        if spec.kv_cache_dtype == "auto" or not plan.has_cache:
+            return None
+        if plan.state is BatchState.PREFILL_NO_CACHE or _capturing(plan.device):
+            return None
+        from npu_attention.providers.triton_kernels import dequant_pages
+
+        size = dequant_pages.pool_bytes(
+            plan.seq_lens_host, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype
+        )
+        if size > self.dequant_pool_bytes:
+            return None
+        block_m = self.prefill_config(spec).block_m
+        pages = [-(-n // spec.block_size) for n in plan.seq_lens_host]
+        reads = sum(
+            -(-q * spec.num_queries_per_kv // block_m) * n
+            for q, n in zip(plan.query_lens_host, pages)
+        )
+        if reads < self.dequant_pool_min_reuse * sum(pages):
+            return None
+        page_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
+        width = plan.block_tables.shape[1]
+        return dequant_pages.PagePool.for_step(
+            plan.seq_lens_host, plan.seq_lens, width, page_shape, spec.dtype
+        )
 
     def _hopper_decode_takes(
         self, spec: AttentionSpec, num_reqs: int, device: torch.device
@@ -326,6 +381,11 @@ class TritonProvider(AttentionProvider):
         k_scale, v_scale = _scales(spec, scales)
         if paged and not _reads_own_keys(plan, key, value):
             k, v, block_tables = key_cache, value_cache, plan.block_tables
+            if step.pool is not None and not _capturing(query.device):
+                step.pool.fill(k, v, k_scale, v_scale, block_tables, plan.seq_lens)
+                k, v, block_tables = step.pool.key, step.pool.value, step.pool.tables
+                k_scale = v_scale = None
+                spec = step.pool_spec
         else:
             paged = False
             k_scale = v_scale = None
@@ -592,6 +652,11 @@ def _hopper_prefill_kernels(device: torch.device):
 def _hopper_decode_kernels(device: torch.device):
     """The ``hopper_decode`` module where ``device`` can run it, else ``None``."""
     return gluon_kernels(device, "hopper_decode")
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _maxnreg(maxnreg: int | None, head_size: int) -> int | None:
