@@ -104,7 +104,7 @@ def _record_pool_fills(monkeypatch: pytest.MonkeyPatch) -> list:
 
     def recording(pool, *args, **kwargs):
         fills.append(pool)
-        fill(pool, *args, **kwargs)
+        return fill(pool, *args, **kwargs)
 
     monkeypatch.setattr(PagePool, "fill", recording)
     return fills
@@ -125,15 +125,18 @@ def test_page_pool_holds_the_pages_dequantized(kind: str) -> None:
     tables = paged.block_tables.to(DEVICE)
     lens = case.context_lens  # the new rows are not written
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    pool = PagePool.for_step(lens, seq_lens, tables.shape[1], (16, 2, 80), DTYPE)
-    pool.fill(paged.key_cache, paged.value_cache, quant.k_scale, quant.v_scale, tables, seq_lens)
-    assert pool.key.shape == (3 + 2, 16, 2, 80)
+    pool = PagePool(lens, tables.shape[1], (16, 2, 80), DTYPE)
+    assert pool.key is None  # allocated by the first fill
+    key, value, pool_tables = pool.fill(
+        paged.key_cache, paged.value_cache, quant.k_scale, quant.v_scale, tables, seq_lens
+    )
+    assert key.shape == value.shape == (3 + 2, 16, 2, 80)
     per_token_head = spec.kv_scales is not ScaleKind.PER_TENSOR
     for r, n in enumerate(lens):
         for j in range(-(-n // 16)):
-            block, at = int(tables[r, j]), int(pool.tables[r, j])
-            for cache, scale, dequantized in ((paged.key_cache, quant.k_scale, pool.key),
-                                              (paged.value_cache, quant.v_scale, pool.value)):  # fmt: skip
+            block, at = int(tables[r, j]), int(pool_tables[r, j])
+            for cache, scale, dequantized in ((paged.key_cache, quant.k_scale, key),
+                                              (paged.value_cache, quant.v_scale, value)):  # fmt: skip
                 s = scale[block].unsqueeze(-1) if per_token_head else scale
                 expected = kv_quant.dequantize(cache[block], s).to(DTYPE)
                 rows = min(16, n - 16 * j)

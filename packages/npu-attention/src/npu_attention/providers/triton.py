@@ -299,9 +299,7 @@ class TritonProvider(AttentionProvider):
             return None
         page_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
         width = plan.block_tables.shape[1]
-        return dequant_pages.PagePool.for_step(
-            plan.seq_lens_host, plan.seq_lens, width, page_shape, spec.dtype
-        )
+        return dequant_pages.PagePool(plan.seq_lens_host, width, page_shape, spec.dtype)
 
     def _hopper_decode_takes(
         self, spec: AttentionSpec, num_reqs: int, device: torch.device
@@ -382,8 +380,9 @@ class TritonProvider(AttentionProvider):
         if paged and not _reads_own_keys(plan, key, value):
             k, v, block_tables = key_cache, value_cache, plan.block_tables
             if step.pool is not None and not _capturing(query.device):
-                step.pool.fill(k, v, k_scale, v_scale, block_tables, plan.seq_lens)
-                k, v, block_tables = step.pool.key, step.pool.value, step.pool.tables
+                k, v, block_tables = step.pool.fill(
+                    k, v, k_scale, v_scale, block_tables, plan.seq_lens
+                )
                 k_scale = v_scale = None
                 spec = step.pool_spec
         else:

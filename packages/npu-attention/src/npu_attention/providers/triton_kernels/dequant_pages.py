@@ -16,13 +16,16 @@ meets a masked probability.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_MAX_ROWS = 64  # (slot, KV head) rows a program converts
+# (slot, KV head) rows a program converts, and its warps. H100, a 512-token chunk after
+# 4096 (write + attention, int8 per token and head, block 128): 1.044x the 16-bit layer
+# at 64 rows and 8 warps, 1.047-1.089x at 32-256 rows and 2-8 warps (benchmarks/README.md).
+_MAX_ROWS = 64
+_NUM_WARPS = 8
 
 
 def pool_bytes(
@@ -33,45 +36,41 @@ def pool_bytes(
     return 2 * pages * block_size * kv_heads * head_size * dtype.itemsize
 
 
-@dataclass(frozen=True)
 class PagePool:
-    """One step's pool, laid out once a step and refilled by every layer.
+    """One step's pool: laid out by ``prepare`` from the host lengths, its buffers
+    allocated by the first layer that fills it (none where a graph replays the step) and
+    refilled by every later one.
 
-    ``key`` / ``value``: ``[pages, block_size, kv_heads, head_size]`` of the model
-    dtype; ``tables``: int32 ``[num_reqs, table_width]``, request ``r``'s page ``j`` at
-    ``base[r] + j`` (int32 ``[num_reqs]``); ``pages_of``: the longest request's page
-    count (the kernel's grid).
+    Buffers: ``key`` / ``value`` ``[pages, block_size, kv_heads, head_size]`` of the
+    model dtype; ``tables`` int32 ``[num_reqs, table_width]``, request ``r``'s page
+    ``j`` at ``base[r] + j`` (``base`` int32 ``[num_reqs]``, worked out on the device
+    from the step's ``seq_lens``, with no copy from the host).
     """
 
-    key: torch.Tensor
-    value: torch.Tensor
-    tables: torch.Tensor
-    base: torch.Tensor
-    pages_of: int
-
-    @classmethod
-    def for_step(
-        cls,
+    def __init__(
+        self,
         seq_lens_host: list[int],
-        seq_lens: torch.Tensor,
         table_width: int,
         page_shape: tuple[int, int, int],
         dtype: torch.dtype,
-    ) -> PagePool:
-        """The pool for requests of ``seq_lens_host`` tokens (``seq_lens``: the same,
-        int32 on the device), pages of ``page_shape`` ``(block_size, kv_heads,
-        head_size)``; its tables are worked out on the device, with no copy from the
-        host."""
-        block_size = page_shape[0]
+    ) -> None:
+        """A pool for requests of ``seq_lens_host`` tokens, ``table_width`` entries in
+        their block tables, pages of ``page_shape`` ``(block_size, kv_heads,
+        head_size)`` in ``dtype``."""
+        counts = [-(-n // page_shape[0]) for n in seq_lens_host]
+        self.num_reqs, self.pages, self.pages_of = len(counts), sum(counts), max(counts, default=0)
+        self.table_width, self.page_shape, self.dtype = table_width, page_shape, dtype
+        self.key = self.value = self.tables = self.base = None
+
+    def _allocate(self, seq_lens: torch.Tensor) -> None:
+        block_size = self.page_shape[0]
         device = seq_lens.device
-        counts = (seq_lens[: len(seq_lens_host)] + block_size - 1) // block_size
-        base = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-        tables = (base[:, None] + torch.arange(table_width, device=device)).to(torch.int32)
-        pages = sum(-(-n // block_size) for n in seq_lens_host)
-        key = torch.empty((pages, *page_shape), dtype=dtype, device=device)
-        value = torch.empty_like(key)
-        pages_of = max((-(-n // block_size) for n in seq_lens_host), default=0)
-        return cls(key, value, tables, base, pages_of)
+        counts = (seq_lens[: self.num_reqs] + block_size - 1) // block_size
+        self.base = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+        width = torch.arange(self.table_width, device=device)
+        self.tables = (self.base[:, None] + width).to(torch.int32)
+        self.key = torch.empty((self.pages, *self.page_shape), dtype=self.dtype, device=device)
+        self.value = torch.empty_like(self.key)
 
     def fill(
         self,
@@ -81,8 +80,9 @@ class PagePool:
         v_scale: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
-    ) -> None:
-        """Dequantize the pages each request references into the pool (one launch).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dequantize the pages each request references into the pool (one launch);
+        returns ``(key, value, tables)``.
 
         Args:
             key_cache, value_cache: int8 / float8_e4m3fn ``[num_blocks, block_size,
@@ -92,23 +92,25 @@ class PagePool:
             block_tables: int32 ``[>= num_reqs, table_width]``; seq_lens: int32
                 ``[>= num_reqs]``, as the pool was laid out for.
         """
-        num_reqs = self.base.shape[0]
+        if self.key is None:
+            self._allocate(seq_lens)
         _, block_size, kv_heads, head_size = key_cache.shape
         per_token_head = k_scale.dim() == 3
         ks = k_scale.stride() if per_token_head else (0, 0, 0)
         vs = v_scale.stride() if per_token_head else (0, 0, 0)
         rows = math.gcd(_MAX_ROWS, block_size * kv_heads)
-        grid = (num_reqs, self.pages_of, block_size * kv_heads // rows)
+        grid = (self.num_reqs, self.pages_of, block_size * kv_heads // rows)
         if not (grid[0] and grid[1]):
-            return
+            return self.key, self.value, self.tables
         _dequant_pages_kernel[grid](
             key_cache, value_cache, k_scale, v_scale, self.key, self.value, block_tables,
             seq_lens, self.base, block_tables.stride(0), *key_cache.stride()[:3],
             *value_cache.stride()[:3], *ks, *vs,
             BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_SIZE=head_size,
             HEAD_PAD=triton.next_power_of_2(head_size), ROWS=rows,
-            PER_TOKEN_HEAD=per_token_head, num_warps=4,
+            PER_TOKEN_HEAD=per_token_head, num_warps=_NUM_WARPS,
         )  # fmt: skip
+        return self.key, self.value, self.tables
 
 
 @triton.jit
