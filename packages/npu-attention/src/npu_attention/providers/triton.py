@@ -18,8 +18,8 @@ decodes whose programs fit one wave do so through the Gluon kernel of
 number of waves) and the portable kernel load 8-bit pages and dequantize them in
 registers; a prefill without cached context still attends over its own rows in the
 model dtype (the Gluon prefill on Hopper). A prefill that reads cached keys from 8-bit
-pages on a GPU, with enough query tiles over each page, first dequantizes the pages
-its requests reference into a 16-bit pool laid out once a step
+pages, with enough query tiles over each page, first dequantizes the pages its requests
+reference into a 16-bit pool laid out once a step
 (``triton_kernels/dequant_pages.py``; not inside graph captures, since the pool's size
 follows the step's lengths) and runs the 16-bit kernel over it.
 """
@@ -234,10 +234,17 @@ class TritonProvider(AttentionProvider):
             "num_warps": 4,
             "num_stages": 3,
         }
-        # Prefill steps over 8-bit pages read them from a 16-bit pool dequantized once a
-        # layer. The pool is memory vLLM's profile does not see (its profile step
-        # reads no cache), so it is capped: larger steps convert in the kernel.
+        # Prefill steps over cached 8-bit pages read them from a 16-bit pool dequantized
+        # once a layer. H100, write + attention against the 16-bit layer, block 128 /
+        # 16: a 512-token chunk after 4096 1.045 / 0.999 (int8 per token and head) and
+        # 1.030 / 0.984 (fp8) against 1.365 / 1.118 and 1.312 / 1.140 converting in the
+        # kernel. The pool is memory vLLM's profile does not see (its profile step reads
+        # no cache), so it is capped: 256 MiB takes the 67 MB pools of chunks after 16384
+        # (attention 1.11-1.12x / 1.08-1.10x against 1.35-1.41x / 1.12-1.14x).
         self.dequant_pool_bytes = 256 << 20
+        # H200, attention alone after 4096, int8 per token and head: a 64-token chunk's
+        # tiles read each page 4 times, and the pool would not pay (1.07x / 0.97x either
+        # way); a 128-token chunk's 8 times, 0.96x / 0.84x with it, 1.09x / 0.97x without.
         self.dequant_pool_min_reuse = 8
 
     @classmethod
@@ -282,24 +289,19 @@ class TritonProvider(AttentionProvider):
             return None
         if plan.state is BatchState.PREFILL_NO_CACHE or _capturing(plan.device):
             return None
-        from npu_attention.providers.triton_kernels import dequant_pages
+        from npu_attention.providers.triton_kernels.dequant_pages import PagePool
 
-        size = dequant_pages.pool_bytes(
-            plan.seq_lens_host, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype
-        )
-        if size > self.dequant_pool_bytes:
-            return None
-        block_m = self.prefill_config(spec).block_m
-        pages = [-(-n // spec.block_size) for n in plan.seq_lens_host]
-        reads = sum(
-            -(-q * spec.num_queries_per_kv // block_m) * n
-            for q, n in zip(plan.query_lens_host, pages)
-        )
-        if reads < self.dequant_pool_min_reuse * sum(pages):
-            return None
         page_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
         width = plan.block_tables.shape[1]
-        return dequant_pages.PagePool(plan.seq_lens_host, width, page_shape, spec.dtype)
+        pool = PagePool(plan.seq_lens_host, width, page_shape, spec.dtype)  # no memory yet
+        if pool.nbytes > self.dequant_pool_bytes:
+            return None
+        block_m = self.prefill_config(spec).block_m
+        reads = sum(
+            -(-q * spec.num_queries_per_kv // block_m) * pages
+            for q, pages in zip(plan.query_lens_host, pool.counts)
+        )
+        return pool if reads >= self.dequant_pool_min_reuse * pool.pages else None
 
     def _hopper_decode_takes(
         self, spec: AttentionSpec, num_reqs: int, device: torch.device

@@ -28,23 +28,16 @@ _MAX_ROWS = 64
 _NUM_WARPS = 8
 
 
-def pool_bytes(
-    seq_lens_host: list[int], block_size: int, kv_heads: int, head_size: int, dtype: torch.dtype
-) -> int:
-    """Bytes of the K and V pools for requests of ``seq_lens_host`` tokens."""
-    pages = sum(-(-n // block_size) for n in seq_lens_host)
-    return 2 * pages * block_size * kv_heads * head_size * dtype.itemsize
-
-
 class PagePool:
     """One step's pool: laid out by ``prepare`` from the host lengths, its buffers
     allocated by the first layer that fills it (none where a graph replays the step) and
     refilled by every later one.
 
-    Buffers: ``key`` / ``value`` ``[pages, block_size, kv_heads, head_size]`` of the
-    model dtype; ``tables`` int32 ``[num_reqs, table_width]``, request ``r``'s page
-    ``j`` at ``base[r] + j`` (``base`` int32 ``[num_reqs]``, worked out on the device
-    from the step's ``seq_lens``, with no copy from the host).
+    ``counts``: each request's pages (host ints), ``pages`` their sum. Buffers: ``key``
+    / ``value`` ``[pages, block_size, kv_heads, head_size]`` of the model dtype;
+    ``tables`` int32 ``[num_reqs, table_width]``, request ``r``'s page ``j`` at ``base[r]
+    + j`` (``base`` int32 ``[num_reqs]``, worked out on the device from the step's
+    ``seq_lens``, with no copy from the host).
     """
 
     def __init__(
@@ -57,10 +50,16 @@ class PagePool:
         """A pool for requests of ``seq_lens_host`` tokens, ``table_width`` entries in
         their block tables, pages of ``page_shape`` ``(block_size, kv_heads,
         head_size)`` in ``dtype``."""
-        counts = [-(-n // page_shape[0]) for n in seq_lens_host]
-        self.num_reqs, self.pages, self.pages_of = len(counts), sum(counts), max(counts, default=0)
+        self.counts = [-(-n // page_shape[0]) for n in seq_lens_host]
+        self.num_reqs, self.pages = len(self.counts), sum(self.counts)
+        self.pages_of = max(self.counts, default=0)
         self.table_width, self.page_shape, self.dtype = table_width, page_shape, dtype
         self.key = self.value = self.tables = self.base = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the K and V buffers take once allocated."""
+        return 2 * self.pages * math.prod(self.page_shape) * self.dtype.itemsize
 
     def _allocate(self, seq_lens: torch.Tensor) -> None:
         block_size = self.page_shape[0]
