@@ -145,36 +145,41 @@ def test_page_pool_holds_the_pages_dequantized(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", QUANTIZED_KINDS)
-@pytest.mark.parametrize("pool_bytes", [64 << 20, 0])
-def test_chunks_through_a_page_pool(
-    kind: str, pool_bytes: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_chunks_through_a_page_pool(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill step over cached 8-bit pages whose tiles read each page often enough
-    goes through the 16-bit pool (one fill a layer); with no bytes for a pool it
-    converts in the kernel. Both against the oracle."""
+    goes through the 16-bit pool (one fill a layer), against the oracle."""
     provider = get_provider("triton", DEVICE)
-    monkeypatch.setattr(provider, "dequant_pool_bytes", pool_bytes)
     monkeypatch.setattr(provider, "dequant_pool_min_reuse", 2)
     fills = _record_pool_fills(monkeypatch)
     spec = AttentionSpec(8, 2, 64, 16, dtype=DTYPE, kv_cache_dtype=kind)
     case = make_case(spec, [70, 9], [33, 16], 0, pad_tokens=2, device=DEVICE)
     out, quant, step = run_quantized(case, provider="triton")
     assert step.state is BatchState.PREFILL_CACHE_HIT
-    assert (step.provider_data.pool is not None) == bool(pool_bytes)
-    assert len(fills) == bool(pool_bytes)
+    assert step.provider_data.pool is not None and len(fills) == 1
     _check(case, out, quant, step)
 
 
-def test_decodes_and_short_chunks_convert_in_the_kernel() -> None:
+def test_no_pool_where_it_would_not_pay_or_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     """No pool where the 8-bit launch's tiles read each page fewer than
-    ``dequant_pool_min_reuse`` times: decodes, and a short chunk after a long prefix."""
+    ``dequant_pool_min_reuse`` times (decodes, a short chunk after a long prefix), where
+    no cached context is read, or where it would outgrow ``dequant_pool_bytes``."""
+    provider = get_provider("triton", DEVICE)
     spec = AttentionSpec(8, 2, 64, 16, dtype=DTYPE, kv_cache_dtype="fp8")
-    for q, ctx, decodes in (([1, 1], [40, 300], 2), ([1, 8], [40, 300], 1)):
+
+    def pool(q: list[int], ctx: list[int], decodes: int):
         case = make_case(spec, q, ctx, decodes, device=DEVICE)
         quant = quantized_paged(case)
         step = plan(case.cu_seqlens_q, case.seq_lens, quant.paged.block_tables.to(DEVICE),
                     quant.paged.slot_mapping.to(DEVICE), decodes, spec, provider="triton")  # fmt: skip
-        assert step.provider_data.pool is None, (q, ctx)
+        return step.provider_data.pool
+
+    assert pool([1, 1], [40, 300], 2) is None
+    assert pool([1, 8], [40, 300], 1) is None
+    assert pool([300], [0], 0) is None  # no cached context: it attends over its own rows
+    long_chunk = ([300], [40], 0)  # 300 x 4 query rows: 19 tiles read each page
+    assert pool(*long_chunk) is not None
+    monkeypatch.setattr(provider, "dequant_pool_bytes", pool(*long_chunk).nbytes - 1)
+    assert pool(*long_chunk) is None
 
 
 @pytest.mark.cuda
