@@ -54,6 +54,9 @@ class PagePool:
         self.num_reqs, self.pages = len(self.counts), sum(self.counts)
         self.pages_of = max(self.counts, default=0)
         self.table_width, self.page_shape, self.dtype = table_width, page_shape, dtype
+        block_size, kv_heads, _ = page_shape
+        self._rows = math.gcd(_MAX_ROWS, block_size * kv_heads)
+        self._grid = (self.num_reqs, self.pages_of, block_size * kv_heads // self._rows)
         self.key = self.value = self.tables = self.base = None
 
     @property
@@ -93,20 +96,18 @@ class PagePool:
         """
         if self.key is None:
             self._allocate(seq_lens)
-        _, block_size, kv_heads, head_size = key_cache.shape
+        if not (self.num_reqs and self.pages_of):
+            return self.key, self.value, self.tables
+        block_size, kv_heads, head_size = self.page_shape
         per_token_head = k_scale.dim() == 3
         ks = k_scale.stride() if per_token_head else (0, 0, 0)
         vs = v_scale.stride() if per_token_head else (0, 0, 0)
-        rows = math.gcd(_MAX_ROWS, block_size * kv_heads)
-        grid = (self.num_reqs, self.pages_of, block_size * kv_heads // rows)
-        if not (grid[0] and grid[1]):
-            return self.key, self.value, self.tables
-        _dequant_pages_kernel[grid](
+        _dequant_pages_kernel[self._grid](
             key_cache, value_cache, k_scale, v_scale, self.key, self.value, block_tables,
             seq_lens, self.base, block_tables.stride(0), *key_cache.stride()[:3],
             *value_cache.stride()[:3], *ks, *vs,
             BLOCK_SIZE=block_size, KV_HEADS=kv_heads, HEAD_SIZE=head_size,
-            HEAD_PAD=triton.next_power_of_2(head_size), ROWS=rows,
+            HEAD_PAD=triton.next_power_of_2(head_size), ROWS=self._rows,
             PER_TOKEN_HEAD=per_token_head, num_warps=_NUM_WARPS,
         )  # fmt: skip
         return self.key, self.value, self.tables
